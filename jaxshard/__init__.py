@@ -1,0 +1,25 @@
+"""jaxshard: semi-automatic sharding for JAX.
+
+Decorate a step with `auto_shard(mesh, hints=...)`, pin a few arrays with partial
+PartitionSpecs, and jaxshard traces the step, propagates shardings through every
+primitive's rule, decides what is left, and runs it under `jax.jit` with a
+NamedSharding on every argument, result and key intermediate.
+"""
+
+from jaxshard.annotate import hint
+from jaxshard.api import AutoShard, auto_shard
+from jaxshard.errors import JaxshardBug, JaxshardWarning, ShardingError
+from jaxshard.plan import Plan, Reshard, make_plan
+
+__all__ = [
+    "AutoShard",
+    "JaxshardBug",
+    "JaxshardWarning",
+    "Plan",
+    "Reshard",
+    "ShardingError",
+    "auto_shard",
+    "hint",
+    "make_plan",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,159 @@
+"""Annotation: the user's partial specs, from a hints dict or from `hint()` in the function.
+
+A hints dict maps regexes, fully matched against leaf key paths, to partial
+PartitionSpecs: an entry naming axes pins that dim, ``None`` pins it replicated,
+``P.UNCONSTRAINED`` and every dim past the end of the spec are left to the planner.
+`hint(x, spec)` marks a value inside the traced function with the same semantics; it is
+an identity primitive, so the function still runs unchanged without jaxshard. Every
+hint is validated here against the mesh and the array, with errors that name it.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+from jax.sharding import PartitionSpec
+
+from jaxshard.errors import JaxshardWarning, ShardingError
+from jaxshard.lattice import DimSharding, check_dims, from_spec, merge_dim, spec_entry
+
+hint_p = Primitive("jaxshard_hint")
+hint_p.def_impl(lambda x, *, spec: x)
+hint_p.def_abstract_eval(lambda aval, *, spec: aval)
+ad.deflinear2(hint_p, lambda ct, x, *, spec: [hint_p.bind(ct, spec=spec)])
+mlir.register_lowering(hint_p, lambda ctx, x, *, spec: [x])
+
+
+def _hint_batcher(args, dims, *, spec):
+    (x,), (d,) = args, dims
+    if d is batching.not_mapped:
+        return hint_p.bind(x, spec=spec), d
+    entries = list(spec) + [PartitionSpec.UNCONSTRAINED] * (x.ndim - 1 - len(spec))
+    entries.insert(d, PartitionSpec.UNCONSTRAINED)
+    return hint_p.bind(x, spec=PartitionSpec(*entries)), d
+
+
+batching.primitive_batchers[hint_p] = _hint_batcher
+
+
+def hint(x: Any, spec: PartitionSpec | Any) -> Any:
+    """Pin the sharding of a value inside a function planned by `auto_shard`.
+
+    ``spec`` is a partial PartitionSpec (see the module doc), or a pytree of them
+    matching ``x``. Outside jaxshard this is the identity.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> y = hint(jnp.ones((8, 4)), P("data", P.UNCONSTRAINED))
+        >>> y.shape
+        (8, 4)
+    """
+    if isinstance(spec, PartitionSpec):
+        return jax.tree_util.tree_map(lambda leaf: hint_p.bind(leaf, spec=spec), x)
+    return jax.tree_util.tree_map(
+        lambda leaf, s: hint_p.bind(leaf, spec=s), x, spec,
+        is_leaf=lambda s: isinstance(s, PartitionSpec),
+    )
+
+
+@dataclass(frozen=True)
+class Pin:
+    """What the user pinned on one value: per-dim states and where it came from."""
+
+    dims: tuple[DimSharding, ...]
+    source: str  # e.g. "hint r'params/.*/w1' = P(None, 'model')"
+
+
+def _spec_text(spec: PartitionSpec) -> str:
+    return "P(" + ", ".join(repr(e) if e is not PartitionSpec.UNCONSTRAINED else "P.UNCONSTRAINED" for e in spec) + ")"
+
+
+def pin_from_spec(
+    spec: PartitionSpec, shape: Sequence[int], axis_sizes: Mapping[str, int], where: str, source: str
+) -> Pin:
+    """Validate a partial spec for one array and turn it into a Pin.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> pin_from_spec(P("data"), (8, 4), {"data": 2}, "batch/x", "hint").dims
+        (('data',), None)
+    """
+    if not isinstance(spec, PartitionSpec):
+        raise ShardingError(f"{where}: {source} is a {type(spec).__name__}; give a jax.sharding.PartitionSpec")
+    if len(spec) > len(shape):
+        raise ShardingError(
+            f"{where}: {source} has {len(spec)} entries but the array has rank {len(shape)} "
+            f"(shape {tuple(shape)}). Shorten the spec: dims past its end are left to the planner."
+        )
+    dims = from_spec(spec, len(shape))
+    check_dims(dims, shape, axis_sizes, f"{where} ({source})")
+    return Pin(dims, source)
+
+
+def match_hints(
+    hints: Mapping[str, PartitionSpec],
+    names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    axis_sizes: Mapping[str, int],
+) -> dict[int, Pin]:
+    """Pins for named leaves from a hints dict: ``{leaf index: Pin}``.
+
+    Several hints on one leaf merge dim by dim; a dim two hints pin differently is an
+    error naming both. A hint that matches nothing warns and lists the paths.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> pins = match_hints({r"batch/.*": P("data")}, ["params/w", "batch/x"], [(4, 4), (8, 4)], {"data": 2})
+        >>> pins[1].dims
+        (('data',), None)
+    """
+    compiled = []
+    for key, spec in hints.items():
+        try:
+            compiled.append((key, re.compile(key), spec))
+        except re.error as e:
+            raise ShardingError(f"hint key {key!r} is not a valid regex: {e}") from None
+    pins: dict[int, Pin] = {}
+    for key, pattern, spec in compiled:
+        hits = [i for i, n in enumerate(names) if pattern.fullmatch(n)]
+        if not hits:
+            shown = ", ".join(names[:60]) + (f", ... ({len(names) - 60} more)" if len(names) > 60 else "")
+            warnings.warn(
+                f"hint {key!r} matched no argument or result path. Keys are regexes fully "
+                f"matched against paths; the available paths are: {shown}",
+                JaxshardWarning,
+                stacklevel=4,
+            )
+        for i in hits:
+            source = f"hint {key!r}: {_spec_text(spec)}"
+            pin = pin_from_spec(spec, shapes[i], axis_sizes, names[i], source)
+            pins[i] = merge_pins(pins[i], pin, names[i]) if i in pins else pin
+    return pins
+
+
+def merge_pins(a: Pin, b: Pin, where: str) -> Pin:
+    """Merge two pins on one value; an error names both if they disagree on a dim.
+
+    Example:
+        >>> merge_pins(Pin((("data",), None), "h1"), Pin((None, ()), "h2"), "x").dims
+        (('data',), ())
+    """
+    dims = []
+    for i, (da, db) in enumerate(zip(a.dims, b.dims)):
+        merged, conflict = merge_dim(da, db)
+        if conflict:
+            raise ShardingError(
+                f"{where}: {a.source} and {b.source} disagree on dim {i} "
+                f"({spec_entry(da)!r} vs {spec_entry(db)!r}). Make the regexes not overlap, or "
+                "make the specs agree."
+            )
+        dims.append(merged)
+    return Pin(tuple(dims), f"{a.source} + {b.source}")

@@ -1,0 +1,82 @@
+"""Explanation: a plan as plain text a person can read before anything compiles.
+
+Three parts: every argument and result (path, shape, dtype, spec, per-device bytes,
+origin), the predicted reshards (where, from which layout to which, the collective,
+bytes), and the totals (per-device memory of arguments against replicated, predicted
+communication per call).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxshard.cost import nbytes, per_device_bytes
+from jaxshard.lattice import to_spec
+
+if TYPE_CHECKING:
+    from jaxshard.plan import Plan
+
+
+def human_bytes(n: float) -> str:
+    """Bytes with a binary unit.
+
+    Example:
+        >>> human_bytes(1536), human_bytes(12)
+        ('1.5 KiB', '12 B')
+    """
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    widths[-1] = 0  # last column (origin / collectives) is free text
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * max(w, 6) for w in widths]), *map(line, rows)])
+
+
+def explain_plan(plan: Plan, max_reshards: int = 40) -> str:
+    """The text of `Plan.explain`.
+
+    Example:
+        >>> print(explain_plan(plan))  # doctest: +SKIP
+    """
+    g, sizes = plan.graph, plan.axis_sizes
+    rows = []
+    named = [(n, v, plan.dims[v]) for n, v in zip(plan.traced.in_names, g.in_vids)]
+    named += [(n, v, d) for n, v, d in zip(plan.traced.out_names, g.out_vids, plan.out_dims)]
+    for name, vid, dims in named:
+        shape, dtype = g.shapes[vid], g.dtypes[vid]
+        rows.append([
+            name, str(tuple(shape)), str(np.dtype(dtype)) if dtype is not None else "-",
+            str(to_spec(dims)), human_bytes(per_device_bytes(shape, dtype, dims, sizes)),
+            plan.origin_text(vid),
+        ])
+    mesh = " x ".join(f"{a}={n}" for a, n in sizes.items())
+    out = [f"jaxshard plan on mesh ({mesh}): {len(g.apps)} rule applications, {plan.visits} visits",
+           "", _table(rows, ["path", "shape", "dtype", "spec", "per device", "origin"])]
+    out += ["", f"reshards and pending reductions ({len(plan.reshards)}):"]
+    if plan.reshards:
+        rrows = [[r.where, g.names.get(r.vid, f"%{r.vid}"), f"{to_spec(r.src)} -> {to_spec(r.dst)}",
+                  human_bytes(r.bytes), ", ".join(r.collectives)]
+                 for r in sorted(plan.reshards, key=lambda r: -r.bytes)[:max_reshards]]
+        out.append(_table(rrows, ["at", "value", "layout", "bytes/device", "collectives"]))
+        if len(plan.reshards) > max_reshards:
+            out.append(f"... and {len(plan.reshards) - max_reshards} smaller ones")
+    else:
+        out.append("none")
+    for c in plan.conflicts:
+        opts = "; ".join(f"{to_spec([o])} held by {len(h)}" for o, h in c.options.items())
+        out.append(f"conflict at {g.apps[c.app].describe()} on factor {c.factor}: {opts} -> "
+                   f"{to_spec([c.chosen])} ({c.reason})")
+    device, total = plan.per_device_bytes()
+    out += ["", f"arguments: {human_bytes(device)} per device ({human_bytes(total)} replicated)",
+            f"results: {human_bytes(sum(per_device_bytes(g.shapes[v], g.dtypes[v], d, sizes) for v, d in zip(g.out_vids, plan.out_dims)))} per device "
+            f"({human_bytes(sum(nbytes(g.shapes[v], g.dtypes[v]) for v in g.out_vids))} replicated)",
+            f"predicted communication: {human_bytes(plan.predicted_bytes)} per device per call"]
+    return "\n".join(out)

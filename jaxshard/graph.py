@@ -1,0 +1,236 @@
+"""The sharding graph: every value of a traced program, and the rules that connect them.
+
+A jaxpr is flattened into values (one per variable per call site, nested jaxprs
+inlined) and *applications* (a rule over operand and result values). Higher-order
+equations contribute their inner jaxprs through the regions the catalogue registers:
+identity links alias inner values to outer ones, other links become rule applications.
+`hint()` equations become pins. An equation whose primitive has no rule is kept as a
+boundary: nothing propagates across it, and one warning names it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+from jax.extend.core import Jaxpr, JaxprEqn, Literal
+
+from jaxshard.annotate import Pin, hint_p, pin_from_spec
+from jaxshard.errors import JaxshardWarning
+from jaxshard.rule import Rule, identity_rule, region_fn_for, rule_fn_for, shapes_of
+from jaxshard.trace import Traced
+
+Path = tuple[int, ...]  # equation indices from the top jaxpr down to a nested jaxpr
+
+
+def source_line(eqn: JaxprEqn) -> str:
+    """The user source line an equation came from, e.g. ``model.py:42 (attention)``."""
+    try:
+        from jax._src import source_info_util  # no public API for this yet
+
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - best effort only
+        return "<unknown source>"
+
+
+@dataclass(frozen=True)
+class App:
+    """One rule applied to values: an equation, a region link, or a result-argument tie."""
+
+    rule: Rule
+    operands: tuple[int, ...]
+    results: tuple[int, ...]
+    kind: str  # "eqn" | "link" | "tie"
+    eqn: JaxprEqn | None = None
+
+    def describe(self) -> str:
+        """Primitive and source line (or the link kind), for explanations."""
+        if self.eqn is None:
+            return self.kind
+        return f"{self.eqn.primitive.name} at {source_line(self.eqn)}"
+
+
+@dataclass
+class Graph:
+    """Values (shape, dtype, optional name) and the applications between them."""
+
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    dtypes: list[Any] = field(default_factory=list)
+    names: dict[int, str] = field(default_factory=dict)
+    apps: list[App] = field(default_factory=list)
+    in_vids: list[int] = field(default_factory=list)
+    out_vids: list[int] = field(default_factory=list)
+    pins: dict[int, Pin] = field(default_factory=dict)
+    var_vid: dict[tuple[Path, Any], int] = field(default_factory=dict)
+    ties: list[tuple[int, int]] = field(default_factory=list)  # (arg leaf, result leaf)
+    unknown: dict[str, str] = field(default_factory=dict)  # primitive -> first source line
+
+    def new_value(self, aval: Any) -> int:
+        self.shapes.append(tuple(getattr(aval, "shape", ())))
+        self.dtypes.append(getattr(aval, "dtype", None))
+        return len(self.shapes) - 1
+
+    def uses(self) -> list[list[int]]:
+        """For each value, the applications it takes part in."""
+        uses: list[list[int]] = [[] for _ in self.shapes]
+        for i, app in enumerate(self.apps):
+            for v in (*app.operands, *app.results):
+                if not uses[v] or uses[v][-1] != i:
+                    uses[v].append(i)
+        return uses
+
+
+def build_graph(traced: Traced, axis_sizes: Mapping[str, int]) -> Graph:
+    """Flatten a traced program into a Graph.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxshard.trace import trace
+        >>> import jaxshard.rules  # registers the catalogue
+        >>> g = build_graph(trace(lambda x: jnp.sin(x) * 2, (jnp.ones(4),), {}), {})
+        >>> [a.eqn.primitive.name for a in g.apps]
+        ['sin', 'mul']
+    """
+    g = Graph()
+    closed = traced.jaxpr
+    g.in_vids = [g.new_value(v.aval) for v in closed.jaxpr.invars]
+    for vid, name in zip(g.in_vids, traced.in_names):
+        g.names[vid] = name
+    g.out_vids = _build(g, closed.jaxpr, g.in_vids, (), axis_sizes)
+    for vid, name in zip(g.out_vids, traced.out_names):
+        g.names.setdefault(vid, name)
+    for i, o in tied_results(traced):
+        vi, vo = g.in_vids[i], g.out_vids[o]
+        g.ties.append((i, o))
+        if vi != vo:
+            g.apps.append(App(identity_rule(g.shapes[vi]), (vi,), (vo,), "tie"))
+    if g.unknown:
+        listed = "; ".join(f"{p} (first at {line})" for p, line in g.unknown.items())
+        warnings.warn(
+            f"no sharding rule for: {listed}. Values keep what they have and nothing "
+            "propagates across these equations; `python -m jaxshard rules` lists covered "
+            "primitives.",
+            JaxshardWarning,
+            stacklevel=5,
+        )
+    return g
+
+
+def _build(g: Graph, jaxpr: Jaxpr, in_vids: Sequence[int], path: Path, axis_sizes) -> list[int]:
+    env: dict[Any, int] = {}
+
+    def bind(var: Any, vid: int) -> None:
+        env[var] = vid
+        g.var_vid[(path, var)] = vid
+
+    def read(var: Any) -> int:
+        if isinstance(var, Literal):
+            return g.new_value(var.aval)
+        return env[var]
+
+    for var in jaxpr.constvars:
+        bind(var, g.new_value(var.aval))
+    for var, vid in zip(jaxpr.invars, in_vids):
+        bind(var, vid)
+    for index, eqn in enumerate(jaxpr.eqns):
+        operands = [read(v) for v in eqn.invars]
+        if eqn.primitive is hint_p:
+            vid = operands[0]
+            where = f"jaxshard.hint at {source_line(eqn)}"
+            pin = pin_from_spec(eqn.params["spec"], g.shapes[vid], axis_sizes, where, "the hint")
+            g.pins[vid] = pin
+            bind(eqn.outvars[0], vid)
+            continue
+        region_fn = region_fn_for(eqn.primitive)
+        if region_fn is not None:
+            _build_regions(g, eqn, region_fn(eqn), operands, path + (index,), axis_sizes, bind)
+            continue
+        results = [g.new_value(v.aval) for v in eqn.outvars]
+        for var, vid in zip(eqn.outvars, results):
+            bind(var, vid)
+        rule_fn = rule_fn_for(eqn.primitive)
+        if rule_fn is None:
+            g.unknown.setdefault(eqn.primitive.name, source_line(eqn))
+            continue
+        rule = rule_fn(eqn)
+        rule.check(shapes_of(eqn.invars), shapes_of(eqn.outvars), f"{eqn.primitive.name} at {source_line(eqn)}")
+        g.apps.append(App(rule, tuple(operands), tuple(results), "eqn", eqn))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _build_regions(g: Graph, eqn: JaxprEqn, regions, operands, path: Path, axis_sizes, bind) -> None:
+    results: list[int | None] = [None] * len(eqn.outvars)
+    pending: list[tuple[int, int, Rule | None]] = []  # (outer result, inner vid, rule)
+    for r, region in enumerate(regions):
+        inner_in: list[int | None] = [None] * len(region.jaxpr.invars)
+        for link in region.links:
+            if link.outer[0] == "in" and link.inner[0] == "in" and link.rule is None:
+                inner_in[link.inner[1]] = operands[link.outer[1]]
+        inner_in_vids = [
+            vid if vid is not None else g.new_value(var.aval)
+            for vid, var in zip(inner_in, region.jaxpr.invars)
+        ]
+        inner_out = _build(g, region.jaxpr, inner_in_vids, path + (r,), axis_sizes)
+        inner = {"in": inner_in_vids, "out": inner_out}
+        for link in region.links:
+            kind, i = link.outer
+            vid = inner[link.inner[0]][link.inner[1]]
+            if kind == "in":
+                if link.rule is not None or link.inner[0] != "in":
+                    rule = link.rule or identity_rule(g.shapes[operands[i]])
+                    g.apps.append(App(rule, (operands[i],), (vid,), "link", eqn))
+            elif link.rule is None and results[i] is None:
+                results[i] = vid
+            else:
+                pending.append((i, vid, link.rule))
+        for group in region.ties:
+            vids = [inner[k][j] for k, j in group]
+            for other in vids[1:]:
+                if other != vids[0]:
+                    g.apps.append(App(identity_rule(g.shapes[vids[0]]), (vids[0],), (other,), "link", eqn))
+    for i, var in enumerate(eqn.outvars):
+        if results[i] is None:
+            results[i] = g.new_value(var.aval)
+        bind(var, results[i])
+    for i, vid, rule in pending:
+        if vid != results[i]:
+            rule = rule or identity_rule(g.shapes[results[i]])
+            g.apps.append(App(rule, (results[i],), (vid,), "link", eqn))
+
+
+def tied_results(traced: Traced) -> list[tuple[int, int]]:
+    """Pairs (argument leaf, result leaf) where a result is the new value of an argument.
+
+    A top-level result element (or the whole result) ties to the first top-level
+    argument with the same tree structure, shapes and dtypes: new params keep the
+    params' layout, so a training loop never reshards between steps.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxshard.trace import trace
+        >>> t = trace(lambda p, x: ({"w": p["w"] * 2}, x.sum()), ({"w": jnp.ones(3)}, jnp.ones(2)), {})
+        >>> tied_results(t)
+        [(0, 0)]
+    """
+    (args, kwargs) = jax.tree_util.tree_unflatten(traced.in_tree, list(range(len(traced.in_avals))))
+    groups = [*args, *kwargs.values()]
+    out_indexed = jax.tree_util.tree_unflatten(traced.out_tree, list(range(len(traced.out_names))))
+    out_avals = [(tuple(v.aval.shape), v.aval.dtype) for v in traced.jaxpr.jaxpr.outvars]
+    in_avals = [(tuple(a.shape), a.dtype) for a in traced.in_avals]
+    elements = list(out_indexed) if isinstance(out_indexed, (tuple, list)) else [out_indexed]
+    ties: list[tuple[int, int]] = []
+    used: set[int] = set()
+    for element in elements:
+        out_leaves, out_def = jax.tree_util.tree_flatten(element)
+        for g_index, group in enumerate(groups):
+            in_leaves, in_def = jax.tree_util.tree_flatten(group)
+            if g_index in used or in_def != out_def or not in_leaves:
+                continue
+            if all(in_avals[i] == out_avals[o] for i, o in zip(in_leaves, out_leaves)):
+                used.add(g_index)
+                ties.extend(zip(in_leaves, out_leaves))
+                break
+    return ties

@@ -1,0 +1,236 @@
+"""Planning: trace, annotate, propagate, decide, and the resulting `Plan`.
+
+`make_plan` runs the stages in order. After the fixed point, dims no hint reached are
+decided: arguments' open dims become replicated and propagate, then any dim still open
+is replicated. A final pass over every application records the reshards (a tensor whose
+layout differs from the one the equation works in) and the pending partial sums, with
+the collectives and bytes the cost model predicts. The Plan holds a complete spec for
+every value, the in/out specs as pytrees, and explains itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxshard.annotate import Pin, match_hints, merge_pins
+from jaxshard.cost import nbytes, per_device_bytes, reshard_cost
+from jaxshard.graph import Graph, build_graph
+from jaxshard.lattice import DimSharding, to_spec
+from jaxshard.propagate import Conflict, Origin, Propagator
+from jaxshard.rule import FactorKind
+from jaxshard.trace import Traced, trace
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """A predicted collective: at application ``app``, value ``vid`` moves ``src``->``dst``."""
+
+    app: int
+    vid: int
+    src: tuple[DimSharding, ...]
+    dst: tuple[DimSharding, ...]
+    partial: frozenset[str]
+    bytes: float
+    collectives: tuple[str, ...]
+    where: str
+
+
+def mesh_axis_sizes(mesh: Mesh) -> dict[str, int]:
+    """``{axis name: size}`` of a mesh.
+
+    Example:
+        >>> import jax
+        >>> mesh_axis_sizes(jax.make_mesh((1,), ("data",)))
+        {'data': 1}
+    """
+    return dict(zip(mesh.axis_names, mesh.devices.shape))
+
+
+class Plan:
+    """A complete sharding plan for one function and one set of argument shapes.
+
+    Attributes: ``in_specs``/``out_specs`` (pytrees of PartitionSpec shaped like the
+    arguments ``(args, kwargs)``... see `in_specs`), ``reshards``, ``conflicts``.
+    """
+
+    def __init__(self, traced: Traced, graph: Graph, prop: Propagator, mesh: Mesh):
+        self.traced, self.graph, self.mesh = traced, graph, mesh
+        self.axis_sizes = mesh_axis_sizes(mesh)
+        self.dims: list[tuple[DimSharding, ...]] = [tuple(d) for d in prop.state.dims]
+        self.origins: list[list[Origin | None]] = prop.state.origins
+        self.conflicts: list[Conflict] = list(prop.state.conflicts.values())
+        self.visits = prop.state.visits
+        self.partial: dict[int, frozenset[str]] = {}
+        self.reshards: list[Reshard] = []
+        self._analyze(prop)
+        self.out_dims = [self.dims[v] for v in graph.out_vids]
+        for i, o in graph.ties:  # the new value of an argument keeps its layout
+            self.out_dims[o] = self.dims[graph.in_vids[i]]
+
+    def _analyze(self, prop: Propagator) -> None:
+        g = self.graph
+        for a, app in enumerate(g.apps):
+            wants: dict[int, list[DimSharding]] = {}
+            for vid, d, want in prop.implied(a):
+                if want is not None and self.dims[vid][d] != want:
+                    wants.setdefault(vid, list(self.dims[vid]))[d] = want
+            for vid, dst in wants.items():
+                self._add_reshard(a, vid, self.dims[vid], tuple(dst), frozenset())
+            if any(f.kind is FactorKind.REDUCTION for f in app.rule.factors):
+                axes = prop.partial_axes(a)
+                for r in app.results:
+                    if axes:
+                        self.partial[r] = axes
+                        self._add_reshard(a, r, self.dims[r], self.dims[r], axes)
+
+    def _add_reshard(self, a, vid, src, dst, partial) -> None:
+        g = self.graph
+        cost, ops = reshard_cost(g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes, partial)
+        if ops:
+            self.reshards.append(Reshard(a, vid, src, dst, partial, cost, tuple(ops), g.apps[a].describe()))
+
+    # --- the public views ------------------------------------------------------------
+
+    def spec(self, vid: int) -> PartitionSpec:
+        """The PartitionSpec of a value."""
+        return to_spec(self.dims[vid])
+
+    def _tree(self, leaves, tree):
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    @property
+    def in_specs(self) -> Any:
+        """PartitionSpecs shaped like the arguments: a tuple of positional args' specs,
+        plus a dict of keyword args' specs when there are any.
+
+        Example:
+            >>> plan.in_specs  # doctest: +SKIP
+            ({'w1': P(None, 'model')}, {'tok': P('data',)})
+        """
+        args, kwargs = self._tree([self.spec(v) for v in self.graph.in_vids], self.traced.in_tree)
+        return (args, kwargs) if kwargs else args
+
+    @property
+    def out_specs(self) -> Any:
+        """PartitionSpecs shaped like the function's result."""
+        return self._tree([to_spec(d) for d in self.out_dims], self.traced.out_tree)
+
+    @property
+    def in_shardings(self) -> Any:
+        """NamedShardings (on the plan's mesh) shaped like `in_specs`; use them to create
+        arguments directly in their planned layout."""
+        return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), self.in_specs)
+
+    @property
+    def out_shardings(self) -> Any:
+        """NamedShardings shaped like `out_specs`."""
+        return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), self.out_specs)
+
+    def flat_in_dims(self) -> list[tuple[DimSharding, ...]]:
+        """Per argument leaf, the planned per-dim axes."""
+        return [self.dims[v] for v in self.graph.in_vids]
+
+    def per_device_bytes(self, names_prefix: str = "") -> tuple[int, int]:
+        """(per-device, replicated) bytes of the argument leaves under a path prefix.
+
+        Example:
+            >>> plan.per_device_bytes("params/")  # doctest: +SKIP
+            (106496, 425984)
+        """
+        g, sizes = self.graph, self.axis_sizes
+        device = total = 0
+        for vid, name in zip(g.in_vids, self.traced.in_names):
+            if name.startswith(names_prefix):
+                device += per_device_bytes(g.shapes[vid], g.dtypes[vid], self.dims[vid], sizes)
+                total += nbytes(g.shapes[vid], g.dtypes[vid])
+        return device, total
+
+    @property
+    def predicted_bytes(self) -> float:
+        """Predicted collective bytes per device for one call."""
+        return sum(r.bytes for r in self.reshards)
+
+    def origin_text(self, vid: int) -> str:
+        """Why a value has its layout: for each sharded or hinted dim, the hint that pinned
+        it or the chain it was propagated along (back to the nearest named value).
+
+        Example:
+            >>> plan.origin_text(plan.graph.in_vids[0])  # doctest: +SKIP
+            "dim 1: propagated from params/l0/wq (hint 'params/.*/wq': P(None, 'model')) via ..."
+        """
+        texts = []
+        for d, origin in enumerate(self.origins[vid]):
+            if origin is not None and (self.dims[vid][d] or origin.kind == "hint"):
+                texts.append(f"dim {d}: {self._describe_origin(vid, d)}")
+        return "; ".join(texts) or "replicated: nothing sharded it"
+
+    def _describe_origin(self, vid: int, d: int) -> str:
+        origin = self.origins[vid][d]
+        if origin.kind != "propagated":
+            return origin.text
+        via = self.graph.apps[origin.app].describe()
+        seen = set()
+        while origin is not None and origin.kind == "propagated" and (vid, d) not in seen:
+            seen.add((vid, d))
+            vid, d = origin.source, origin.source_dim
+            origin = self.origins[vid][d]
+            name = self.graph.names.get(vid)
+            if name is not None:
+                hint = f" ({origin.text})" if origin is not None and origin.kind == "hint" else ""
+                return f"propagated from {name} dim {d}{hint} via {via}"
+        if origin is not None and origin.kind == "hint":
+            return f"propagated from {origin.text} via {via}"
+        return f"propagated via {via}"
+
+    def explain(self) -> str:
+        """A readable table of every argument and result, the reshards, and totals.
+
+        Example:
+            >>> print(plan.explain())  # doctest: +SKIP
+        """
+        from jaxshard.explain import explain_plan
+
+        return explain_plan(self)
+
+
+def make_plan(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    mesh: Mesh,
+    hints: Mapping[str, PartitionSpec] | None = None,
+) -> Plan:
+    """Run every planning stage for ``fn(*args, **kwargs)`` on ``mesh``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> plan = make_plan(lambda x, w: x @ w, (jnp.ones((8, 4)), jnp.ones((4, 16))), {}, mesh,
+        ...                  {"x": P("data"), "w": P(None, "model")})
+        >>> plan.out_specs
+        P('data', 'model')
+    """
+    import jaxshard.rules  # noqa: F401 - registers the catalogue
+
+    sizes = mesh_axis_sizes(mesh)
+    traced = trace(fn, args, kwargs)
+    graph = build_graph(traced, sizes)
+    names = list(traced.in_names) + list(traced.out_names)
+    vids = list(graph.in_vids) + list(graph.out_vids)
+    pins: dict[int, Pin] = dict(graph.pins)
+    for i, pin in match_hints(hints or {}, names, [graph.shapes[v] for v in vids], sizes).items():
+        vid = vids[i]
+        pins[vid] = merge_pins(pins[vid], pin, names[i]) if vid in pins else pin
+    prop = Propagator(graph, sizes)
+    for vid, pin in pins.items():
+        prop.pin(vid, pin)
+    prop.run()
+    prop.default(graph.in_vids, "replicated: no hint or propagation reached it")
+    prop.default(range(len(graph.shapes)), "replicated: no hint or propagation reached it")
+    return Plan(traced, graph, prop, mesh)

@@ -1,0 +1,262 @@
+"""Propagation: a worklist fixed point that moves shardings through every rule, both ways.
+
+Visiting an application reads every factor's sharding from all its operands and
+results, merges per factor, and writes the result back into dims that are still open
+(forward, backward and sideways at once). A dim only ever goes from open to known, so
+the worklist terminates. Two different known shardings meeting on one factor are a
+conflict: recorded with both origins, decided by policy (a user hint wins; otherwise
+the option whose reshards move fewer bytes), and never written over a known dim — the
+tensors that lose are resharded at that equation.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from jaxshard.annotate import Pin
+from jaxshard.cost import reshard_cost
+from jaxshard.errors import JaxshardBug
+from jaxshard.graph import Graph
+from jaxshard.lattice import Axes, DimSharding, format_dim, join_axes, split_axes
+from jaxshard.rule import FactorKind
+
+NEED = FactorKind.NEED_REPLICATION
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Why a dim has its sharding: a hint, propagation through an app, or a default."""
+
+    kind: str  # "hint" | "propagated" | "default"
+    text: str = ""
+    app: int = -1  # for "propagated": the application it came through
+    source: int = -1  # for "propagated": the value it came from
+    source_dim: int = -1  # ... and that value's dim
+
+
+@dataclass
+class Conflict:
+    """Two or more known shardings of one factor at one application, and the decision."""
+
+    app: int
+    factor: str
+    options: dict[Axes, list[tuple[int, int]]]  # sharding -> [(value, dim)] holding it
+    chosen: Axes
+    reason: str
+
+
+@dataclass
+class State:
+    """Per value, per dim: the sharding (None = open) and its origin."""
+
+    dims: list[list[DimSharding]]
+    origins: list[list[Origin | None]]
+    conflicts: dict[tuple[int, int], Conflict] = field(default_factory=dict)
+    visits: int = 0
+
+
+class Propagator:
+    """Runs propagation over a Graph; see the module doc.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> from jaxshard.annotate import Pin
+        >>> t = trace(lambda x, w: x @ w, (jnp.ones((8, 4)), jnp.ones((4, 16))), {})
+        >>> g = build_graph(t, {"data": 2, "model": 4})
+        >>> prop = Propagator(g, {"data": 2, "model": 4})
+        >>> prop.pin(g.in_vids[0], Pin((("data",), None), "hint"))
+        >>> prop.pin(g.in_vids[1], Pin((None, ("model",)), "hint"))
+        >>> prop.run()
+        >>> prop.state.dims[g.out_vids[0]]
+        [('data',), ('model',)]
+    """
+
+    def __init__(self, graph: Graph, axis_sizes: Mapping[str, int]):
+        self.graph = graph
+        self.axis_sizes = dict(axis_sizes)
+        dims = [[() if s == 1 else None for s in shape] for shape in graph.shapes]
+        origins: list[list[Origin | None]] = [
+            [Origin("default", "size-1 dim") if s == 1 else None for s in shape] for shape in graph.shapes
+        ]
+        self.state = State(dims, origins)
+        self.uses = graph.uses()
+        self._members = [self._compile(app) for app in graph.apps]
+        self._queue: deque[int] = deque()
+        self._queued = bytearray(len(graph.apps))
+        self._split = lru_cache(maxsize=None)(lambda axes, sizes: split_axes(axes, sizes, self.axis_sizes))
+
+    def _compile(self, app):
+        rule = app.rule
+        sizes = [f.size for f in rule.factors]
+        members = []
+        for vid, tdims in zip((*app.operands, *app.results), (*rule.operands, *rule.results)):
+            entries = tuple((d, fl, tuple(sizes[f] for f in fl)) for d, fl in enumerate(tdims) if fl)
+            if entries:
+                members.append((vid, entries))
+        return members
+
+    # --- seeding -------------------------------------------------------------------
+
+    def pin(self, vid: int, pin: Pin) -> None:
+        """Set the dims a user pinned (a hint) and queue their applications."""
+        dims, origins = self.state.dims[vid], self.state.origins[vid]
+        for d, value in enumerate(pin.dims):
+            if value is not None:
+                dims[d] = value
+                origins[d] = Origin("hint", pin.source)
+        self._enqueue(self.uses[vid])
+
+    def default(self, vids: Iterable[int], text: str) -> None:
+        """Fill every still-open dim of ``vids`` as replicated, then propagate from them."""
+        for vid in vids:
+            dims = self.state.dims[vid]
+            touched = False
+            for d, value in enumerate(dims):
+                if value is None:
+                    dims[d] = ()
+                    self.state.origins[vid][d] = Origin("default", text)
+                    touched = True
+            if touched:
+                self._enqueue(self.uses[vid])
+        self.run()
+
+    def _enqueue(self, apps: Iterable[int]) -> None:
+        for a in apps:
+            if not self._queued[a]:
+                self._queued[a] = 1
+                self._queue.append(a)
+
+    # --- the fixed point -----------------------------------------------------------
+
+    def run(self) -> None:
+        """Visit queued applications until nothing changes."""
+        total_dims = sum(len(s) for s in self.graph.shapes)
+        bound = len(self.graph.apps) + sum(len(u) for u in self.uses) * 2 + total_dims + 16
+        visits = 0
+        while self._queue:
+            a = self._queue.popleft()
+            self._queued[a] = 0
+            self._visit(a)
+            visits += 1
+            if visits > bound:
+                raise JaxshardBug(f"propagation exceeded {bound} visits without reaching a fixed point")
+        self.state.visits += visits
+
+    def factor_values(self, a: int) -> tuple[dict[int, Axes], dict[int, tuple[int, int]]]:
+        """The merged sharding of each factor at application ``a``, and a (value, dim)
+        supplying it."""
+        factors = self.graph.apps[a].rule.factors
+        cands: dict[int, list[tuple[Axes, int, int]]] = {}
+        dims = self.state.dims
+        for vid, entries in self._members[a]:
+            state = dims[vid]
+            for d, fl, sizes in entries:
+                s = state[d]
+                if s is None:
+                    continue
+                if len(fl) == 1:
+                    if factors[fl[0]].kind is not NEED:
+                        cands.setdefault(fl[0], []).append((s, vid, d))
+                    continue
+                parts, _ = self._split(s, sizes)
+                for f, axes in zip(fl, parts):
+                    if factors[f].kind is not NEED:
+                        cands.setdefault(f, []).append((axes, vid, d))
+        values: dict[int, Axes] = {}
+        sources: dict[int, tuple[int, int]] = {}
+        for f, cs in cands.items():
+            first = cs[0][0]
+            if any(c[0] != first for c in cs):
+                first = self._resolve(a, f, cs)
+            values[f] = first
+            sources[f] = next((vid, d) for axes, vid, d in cs if axes == first)
+        return values, sources
+
+    def _visit(self, a: int) -> None:
+        values, sources = self.factor_values(a)
+        if not values:
+            return
+        dims, origins = self.state.dims, self.state.origins
+        for vid, entries in self._members[a]:
+            state = dims[vid]
+            changed = False
+            for d, fl, sizes in entries:
+                if state[d] is not None:
+                    continue
+                if len(fl) == 1:
+                    new = values.get(fl[0])
+                else:
+                    new, _ = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
+                if new is None:
+                    continue
+                if new and any(ax in other for other in state if other for ax in new):
+                    continue  # an axis may shard one dim only; the final pass records a reshard
+                state[d] = new
+                src, src_dim = sources.get(fl[0], (-1, -1))
+                origins[vid][d] = Origin("propagated", app=a, source=src, source_dim=src_dim)
+                changed = True
+            if changed:
+                self._enqueue(self.uses[vid])
+
+    def _resolve(self, a: int, f: int, cands: list[tuple[Axes, int, int]]) -> Axes:
+        options: dict[Axes, list[tuple[int, int]]] = {}
+        for axes, vid, d in cands:
+            options.setdefault(axes, []).append((vid, d))
+        origins = self.state.origins
+        hinted = sorted({axes for axes, vid, d in cands if origins[vid][d].kind == "hint"})
+        pool = hinted or sorted(options)
+        costs = {option: self._cost_to(option, options) for option in pool}
+        chosen = min(pool, key=lambda o: (costs[o], -len(o), o))
+        if len(hinted) == 1:
+            reason = "user hint wins"
+        else:
+            shown = ", ".join(f"{format_dim(o)}: {costs[o]:.0f} B" for o in pool)
+            reason = f"cheapest reshard in bytes per device ({shown})"
+            if hinted:
+                reason = "several hints; " + reason
+        name = self.graph.apps[a].rule.factors[f].name
+        self.state.conflicts[(a, f)] = Conflict(a, name, options, chosen, reason)
+        return chosen
+
+    def _cost_to(self, option: Axes, options: dict[Axes, list[tuple[int, int]]]) -> float:
+        total = 0.0
+        for axes, holders in options.items():
+            if axes == option:
+                continue
+            for vid, d in holders:
+                src = self.state.dims[vid]
+                dst = list(src)
+                dst[d] = option
+                g = self.graph
+                total += reshard_cost(g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes)[0]
+        return total
+
+    def implied(self, a: int) -> list[tuple[int, int, DimSharding]]:
+        """For a finished propagation: each (value, dim, sharding the application works in).
+
+        Need-replication factors are worked in replicated; a dim whose factors leave axes
+        the rule cannot express is worked in what the factors say.
+        """
+        values, _ = self.factor_values(a)
+        factors = self.graph.apps[a].rule.factors
+        out = []
+        for vid, entries in self._members[a]:
+            for d, fl, sizes in entries:
+                fvals = [() if factors[f].kind is NEED else values.get(f) for f in fl]
+                want, _ = join_axes(fvals, sizes, self.axis_sizes)
+                out.append((vid, d, want))
+        return out
+
+    def partial_axes(self, a: int) -> frozenset[str]:
+        """Mesh axes over which the results of application ``a`` are pending partial sums."""
+        values, _ = self.factor_values(a)
+        factors = self.graph.apps[a].rule.factors
+        return frozenset(
+            ax for f, axes in values.items() if factors[f].kind is FactorKind.REDUCTION for ax in axes
+        )

@@ -1,0 +1,324 @@
+"""The rule vocabulary and the registry that maps primitives to rules.
+
+A rule factorizes one jaxpr equation (Shardy's OpShardingRule, Paddle's einsum
+notation): named factors with sizes, each operand dim and result dim a list of factors
+(major to minor), and each factor a kind — pass-through, reduction (contracted away:
+sharding it leaves the result a pending partial sum) or need-replication (sharding it
+would need a full gather). Higher-order primitives do not get rules but *regions*: inner
+jaxprs whose values are linked to the outer equation's by small link rules. The
+catalogue in ``jaxshard.rules`` fills both registries; the engine never names a
+primitive.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jax.extend.core import Jaxpr, JaxprEqn, Primitive
+
+from jaxshard.errors import JaxshardBug
+
+
+class FactorKind(enum.Enum):
+    """How a factor behaves when sharded."""
+
+    PASS = "pass"
+    REDUCTION = "reduction"
+    NEED_REPLICATION = "need_replication"
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One named factor of a rule: its size and kind.
+
+    Example:
+        >>> Factor("k", 64, FactorKind.REDUCTION)
+        Factor(name='k', size=64, kind=<FactorKind.REDUCTION: 'reduction'>)
+    """
+
+    name: str
+    size: int
+    kind: FactorKind = FactorKind.PASS
+
+
+Dims = tuple[tuple[int, ...], ...]  # per dim: factor indices, major to minor
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A factorization of one equation; prints like Shardy's rules.
+
+    Example:
+        >>> r = einsum_rule("mk,kn->mn", [(128, 64), (64, 256)], [(128, 256)])
+        >>> print(r)
+        ([m, k], [k, n])->([m, n]) reduction={k} {m=128, k=64, n=256}
+    """
+
+    factors: tuple[Factor, ...]
+    operands: tuple[Dims, ...]
+    results: tuple[Dims, ...]
+
+    def __str__(self) -> str:
+        def dims(ds: Dims) -> str:
+            return "[" + ", ".join("".join(self.factors[f].name for f in d) or "1" for d in ds) + "]"
+
+        text = "(" + ", ".join(dims(o) for o in self.operands) + ")->("
+        text += ", ".join(dims(r) for r in self.results) + ")"
+        for kind in (FactorKind.REDUCTION, FactorKind.NEED_REPLICATION):
+            names = [f.name for f in self.factors if f.kind is kind]
+            if names:
+                text += f" {kind.value}={{{', '.join(names)}}}"
+        return text + " {" + ", ".join(f"{f.name}={f.size}" for f in self.factors) + "}"
+
+    def check(self, in_shapes: Sequence[Sequence[int]], out_shapes: Sequence[Sequence[int]], what: str) -> None:
+        """Raise JaxshardBug unless the rule matches the equation's shapes.
+
+        Example:
+            >>> r = einsum_rule("mk,kn->mn", [(2, 3), (3, 4)], [(2, 4)])
+            >>> r.check([(2, 3), (3, 4)], [(2, 4)], "dot_general")
+        """
+        for label, dims_list, shapes in (("operand", self.operands, in_shapes), ("result", self.results, out_shapes)):
+            if len(dims_list) != len(shapes):
+                raise JaxshardBug(f"{what}: rule {self} has {len(dims_list)} {label}s, equation has {len(shapes)}")
+            for i, (dims, shape) in enumerate(zip(dims_list, shapes)):
+                sizes = tuple(math.prod(self.factors[f].size for f in d) for d in dims)
+                if sizes != tuple(shape):
+                    raise JaxshardBug(f"{what}: rule {self} gives {label} {i} shape {sizes}, equation has {tuple(shape)}")
+
+
+class RuleBuilder:
+    """Builds a rule factor by factor, for rules an einsum string cannot say.
+
+    Example:
+        >>> b = RuleBuilder(n_operands=1, n_results=1, ranks=([2], [1]))
+        >>> a = b.add_factor(operand_dims={0: 0}, result_dims={0: 0}, size=4)
+        >>> k = b.add_factor(operand_dims={0: 1}, size=3, kind=FactorKind.REDUCTION)
+        >>> print(b.build())
+        ([a, b])->([a]) reduction={b} {a=4, b=3}
+    """
+
+    def __init__(self, n_operands: int, n_results: int, ranks: tuple[Sequence[int], Sequence[int]]):
+        self._factors: list[Factor] = []
+        self._operands = [[[] for _ in range(ranks[0][i])] for i in range(n_operands)]
+        self._results = [[[] for _ in range(ranks[1][i])] for i in range(n_results)]
+
+    def add_factor(
+        self,
+        operand_dims: Mapping[int, int] = {},  # noqa: B006 - read only
+        result_dims: Mapping[int, int] = {},  # noqa: B006 - read only
+        size: int = 1,
+        kind: FactorKind = FactorKind.PASS,
+        name: str | None = None,
+    ) -> int:
+        """Add a factor living in the given dims (appended as their minor-most factor)."""
+        index = len(self._factors)
+        self._factors.append(Factor(name or _factor_name(index), size, kind))
+        for operand, dim in operand_dims.items():
+            self._operands[operand][dim].append(index)
+        for result, dim in result_dims.items():
+            self._results[result][dim].append(index)
+        return index
+
+    def build(self) -> Rule:
+        """The finished, immutable rule."""
+        freeze = lambda tensors: tuple(tuple(tuple(d) for d in t) for t in tensors)  # noqa: E731
+        return Rule(tuple(self._factors), freeze(self._operands), freeze(self._results))
+
+
+def _factor_name(index: int) -> str:
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return letters[index] if index < 26 else f"f{index}"
+
+
+def einsum_rule(
+    spec: str,
+    in_shapes: Sequence[Sequence[int]],
+    out_shapes: Sequence[Sequence[int]],
+    need_replication: str = "",
+    sizes: Mapping[str, int] | None = None,
+) -> Rule:
+    """A rule from an einsum-like string: one letter per factor, ``(ab)`` a compound dim.
+
+    Letters missing from every result are reductions; letters in ``need_replication``
+    are need-replication. Sizes come from the shapes; give ``sizes`` for the factors of a
+    compound dim that the shapes cannot determine. An empty operand (``",k->k"``) is a
+    scalar.
+
+    Example:
+        >>> print(einsum_rule("(ab)c->abc", [(6, 4)], [(2, 3, 4)]))
+        ([ab, c])->([a, b, c]) {a=2, b=3, c=4}
+        >>> print(einsum_rule("ij,->ij", [(2, 3), ()], [(2, 3)]))
+        ([i, j], [])->([i, j]) {i=2, j=3}
+    """
+    lhs, rhs = spec.replace(" ", "").split("->")
+    ins, outs = [_parse_dims(t) for t in lhs.split(",")], [_parse_dims(t) for t in rhs.split(",")]
+    known: dict[str, int] = dict(sizes or {})
+    for tensors, shapes in ((ins, in_shapes), (outs, out_shapes)):
+        for dims, shape in zip(tensors, shapes):
+            if len(dims) != len(shape):
+                raise JaxshardBug(f"einsum rule {spec!r}: {dims} does not match shape {tuple(shape)}")
+            for letters, size in zip(dims, shape):
+                unknown = [c for c in letters if c not in known]
+                if len(unknown) == 1:
+                    rest = math.prod(known[c] for c in letters if c in known)
+                    known[unknown[0]] = size // rest if rest else 0
+    order: list[str] = []
+    for dims in ins + outs:
+        for letters in dims:
+            order.extend(c for c in letters if c not in order)
+    out_letters = {c for dims in outs for letters in dims for c in letters}
+    factors = []
+    for c in order:
+        if c not in known:
+            raise JaxshardBug(f"einsum rule {spec!r}: size of factor {c!r} is not determined; pass sizes=")
+        kind = FactorKind.PASS
+        if c in need_replication:
+            kind = FactorKind.NEED_REPLICATION
+        elif c not in out_letters:
+            kind = FactorKind.REDUCTION
+        factors.append(Factor(c, known[c], kind))
+    index = {c: i for i, c in enumerate(order)}
+    conv = lambda tensors: tuple(tuple(tuple(index[c] for c in d) for d in t) for t in tensors)  # noqa: E731
+    rule = Rule(tuple(factors), conv(ins), conv(outs))
+    rule.check(in_shapes, out_shapes, f"einsum rule {spec!r}")
+    return rule
+
+
+def _parse_dims(text: str) -> list[str]:
+    dims, i = [], 0
+    while i < len(text):
+        if text[i] == "(":
+            j = text.index(")", i)
+            dims.append(text[i + 1 : j])
+            i = j + 1
+        else:
+            dims.append(text[i])
+            i += 1
+    return dims
+
+
+def identity_rule(shape: Sequence[int], n: int = 2) -> Rule:
+    """Every dim passes through unchanged between ``n`` tensors of one shape.
+
+    Example:
+        >>> print(identity_rule((4, 8)))
+        ([a, b])->([a, b]) {a=4, b=8}
+    """
+    dims = tuple((i,) for i in range(len(shape)))
+    factors = tuple(Factor(_factor_name(i), s) for i, s in enumerate(shape))
+    return Rule(factors, (dims,) * (n - 1), (dims,))
+
+
+# --- regions: how higher-order primitives link inner jaxprs -------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    """Ties an outer value (``("in"|"out", index)`` of the equation) to an inner one.
+
+    ``rule`` has the outer value as its operand and the inner value as its result;
+    ``None`` means identity.
+    """
+
+    outer: tuple[str, int]
+    inner: tuple[str, int]
+    rule: Rule | None = None
+
+
+@dataclass(frozen=True)
+class Region:
+    """An inner jaxpr of a higher-order equation, with how its values meet the outer ones.
+
+    ``ties`` lists groups of inner values (``("in"|"out", index)``) that must share one
+    sharding, e.g. a loop carry's body input and body output.
+    """
+
+    jaxpr: Jaxpr
+    consts: tuple[Any, ...]
+    links: tuple[Link, ...]
+    ties: tuple[tuple[tuple[str, int], ...], ...] = field(default=())
+
+
+RuleFn = Callable[[JaxprEqn], Rule]
+RegionFn = Callable[[JaxprEqn], list[Region]]
+
+_RULES: dict[Primitive, RuleFn] = {}
+_REGIONS: dict[Primitive, RegionFn] = {}
+
+
+def register_rule(*primitives: Primitive) -> Callable[[RuleFn], RuleFn]:
+    """Register ``fn(eqn) -> Rule`` for primitives.
+
+    Example:
+        >>> from jax.extend.core import primitives as p
+        >>> @register_rule(p.neg_p)  # doctest: +SKIP
+        ... def _neg(eqn): ...
+    """
+
+    def deco(fn: RuleFn) -> RuleFn:
+        for prim in primitives:
+            _RULES[prim] = fn
+        return fn
+
+    return deco
+
+
+def register_region(*primitives: Primitive) -> Callable[[RegionFn], RegionFn]:
+    """Register ``fn(eqn) -> [Region]`` for higher-order primitives (see `Region`)."""
+
+    def deco(fn: RegionFn) -> RegionFn:
+        for prim in primitives:
+            _REGIONS[prim] = fn
+        return fn
+
+    return deco
+
+
+def rule_fn_for(primitive: Primitive) -> RuleFn | None:
+    """The registered rule function of a primitive, or None."""
+    return _RULES.get(primitive)
+
+
+def region_fn_for(primitive: Primitive) -> RegionFn | None:
+    """The registered region function of a higher-order primitive, or None."""
+    return _REGIONS.get(primitive)
+
+
+def covered_primitives() -> list[str]:
+    """Names of every primitive the catalogue covers, sorted.
+
+    Example:
+        >>> import jaxshard.rules  # registers the catalogue
+        >>> "dot_general" in covered_primitives()
+        True
+    """
+    return sorted({p.name for p in _RULES} | {p.name for p in _REGIONS})
+
+
+def primitive(name: str) -> Primitive:
+    """A JAX primitive object by name, for the few that `jax.extend` does not export.
+
+    Example:
+        >>> primitive("split").name
+        'split'
+    """
+    import jax
+    from jax.extend.core import primitives
+
+    found = getattr(primitives, f"{name}_p", None) or getattr(jax.lax, f"{name}_p", None)
+    if found is None:
+        from jax._src.lax import lax as lax_internal  # e.g. split_p is not public yet
+
+        found = getattr(lax_internal, f"{name}_p", None)
+    if found is None:
+        raise JaxshardBug(f"primitive {name!r} not found in this JAX version")
+    return found
+
+
+def shapes_of(vars_: Iterable[Any]) -> list[tuple[int, ...]]:
+    """Shapes of jaxpr vars or literals (an abstract token counts as rank 0)."""
+    return [tuple(getattr(v.aval, "shape", ())) for v in vars_]

@@ -1,0 +1,139 @@
+"""Tracing: the user's function to a jaxpr, with every argument and result leaf named.
+
+Arguments may be arrays, NumPy arrays, Python scalars or `jax.ShapeDtypeStruct`s; they
+are traced as plain shapes and dtypes (any sharding on them is the planner's business,
+not the tracer's). Leaves are named by key path, starting with the parameter's name from
+the function's signature: ``params/l0/w1``, ``opt_state/0/mu/l0/w1``, ``batch/tok``;
+results start with ``out``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+from jaxshard.errors import ShardingError
+
+
+@dataclass(frozen=True)
+class Traced:
+    """A traced function: its jaxpr, the flat leaves' names and the pytree structures."""
+
+    jaxpr: ClosedJaxpr
+    in_names: tuple[str, ...]
+    out_names: tuple[str, ...]
+    in_tree: Any  # treedef of (args, kwargs)
+    out_tree: Any
+    in_avals: tuple[jax.ShapeDtypeStruct, ...]
+
+
+def key_name(key: Any) -> str:
+    """One path component as text.
+
+    Example:
+        >>> from jax.tree_util import DictKey, SequenceKey
+        >>> key_name(DictKey("w1")), key_name(SequenceKey(0))
+        ('w1', '0')
+    """
+    if isinstance(key, DictKey):
+        return str(key.key)
+    if isinstance(key, SequenceKey):
+        return str(key.idx)
+    if isinstance(key, GetAttrKey):
+        return key.name
+    if isinstance(key, FlattenedIndexKey):
+        return str(key.key)
+    return str(key).strip(".[]'\"")
+
+
+def path_name(prefix: str, path: Sequence[Any]) -> str:
+    """A leaf's name: the prefix then each key, joined by ``/``.
+
+    Example:
+        >>> from jax.tree_util import DictKey, SequenceKey
+        >>> path_name("params", (DictKey("l0"), DictKey("w1")))
+        'params/l0/w1'
+    """
+    return "/".join([prefix, *(key_name(k) for k in path)])
+
+
+def abstractify(leaf: Any, name: str) -> jax.ShapeDtypeStruct:
+    """A leaf as a plain ShapeDtypeStruct (no sharding), or a ShardingError naming it.
+
+    Example:
+        >>> abstractify(np.zeros((2, 3), np.float32), "x")
+        ShapeDtypeStruct(shape=(2, 3), dtype=float32)
+    """
+    if isinstance(leaf, (bool, int, float, complex)) and not isinstance(leaf, np.generic):
+        aval = jax.typeof(leaf)
+        return jax.ShapeDtypeStruct((), aval.dtype, weak_type=True)
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        raise ShardingError(
+            f"argument leaf {name} is a {type(leaf).__name__}, not an array: jaxshard plans "
+            "arrays only. Pass it as an array, or close over it (functools.partial) if it is "
+            "configuration."
+        )
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, weak_type=bool(getattr(leaf, "weak_type", False)))
+
+
+def arg_names(fn: Callable, args: tuple, kwargs: dict) -> tuple[list[str], Any]:
+    """Names of the flat argument leaves and the treedef of ``(args, kwargs)``.
+
+    Positional arguments are named by the signature's parameter names where it has
+    them (``*args`` become ``args/0``...), keyword arguments by their keyword.
+
+    Example:
+        >>> def step(params, batch): ...
+        >>> arg_names(step, ({"w": 1.0}, {"x": 2.0}), {})[0]
+        ['params/w', 'batch/x']
+    """
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [
+        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    var_args = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), "args")
+    leaves, tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    names = []
+    for path, _ in leaves:
+        group, index, rest = path[0], path[1], path[2:]
+        if group.idx == 0:  # positional
+            i = index.idx
+            prefix = positional[i] if i < len(positional) else f"{var_args}/{i - len(positional)}"
+        else:
+            prefix = key_name(index)
+        names.append(path_name(prefix, rest))
+    return names, tree
+
+
+def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
+    """Trace ``fn(*args, **kwargs)`` to a jaxpr with named leaves.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> t = trace(lambda params, x: x @ params["w"], ({"w": jnp.ones((4, 2))}, jnp.ones((3, 4))), {})
+        >>> t.in_names, t.out_names
+        (('params/w', 'x'), ('out',))
+    """
+    names, in_tree = arg_names(fn, args, kwargs)
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    avals = tuple(abstractify(leaf, name) for leaf, name in zip(leaves, names))
+
+    def flat_fn(*flat):
+        a, k = jax.tree_util.tree_unflatten(in_tree, flat)
+        return fn(*a, **k)
+
+    jaxpr, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
+    out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
+    out_names = tuple(path_name("out", path) for path, _ in out_leaves)
+    return Traced(jaxpr, tuple(names), out_names, in_tree, out_tree, avals)

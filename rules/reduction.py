@@ -1,0 +1,50 @@
+"""Reductions over some dims: `reduce_sum/max/min/prod/and/or/xor`, `argmax/argmin`.
+
+Kept dims pass through. A reduced dim is a reduction factor when partial results
+combine by the same reduction across devices (sum, max, min, prod, and, or, xor); for
+`argmax`/`argmin` a local index is meaningless globally, so the reduced dim is
+need-replication.
+"""
+
+from __future__ import annotations
+
+from jax.extend.core import JaxprEqn
+from jax.extend.core import primitives as p
+
+from jaxshard.rule import FactorKind, Rule, RuleBuilder, register_rule
+
+_COMBINABLE = [
+    p.reduce_sum_p, p.reduce_max_p, p.reduce_min_p, p.reduce_prod_p,
+    p.reduce_and_p, p.reduce_or_p, p.reduce_xor_p,
+]
+
+
+def reduce_rule(eqn: JaxprEqn, kind: FactorKind = FactorKind.REDUCTION) -> Rule:
+    """Kept dims pass through; reduced dims get ``kind``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> eqn = jax.make_jaxpr(lambda x: x.sum(1))(jnp.ones((4, 8))).eqns[0]
+        >>> print(reduce_rule(eqn))
+        ([a, b])->([a]) reduction={b} {a=4, b=8}
+    """
+    shape = eqn.invars[0].aval.shape
+    axes = set(eqn.params["axes"])
+    b = RuleBuilder(1, 1, ([len(shape)], [len(shape) - len(axes)]))
+    out = 0
+    for d, size in enumerate(shape):
+        if d in axes:
+            b.add_factor({0: d}, {}, size, kind)
+        else:
+            b.add_factor({0: d}, {0: out}, size)
+            out += 1
+    return b.build()
+
+
+register_rule(*_COMBINABLE)(reduce_rule)
+
+
+@register_rule(p.argmax_p, p.argmin_p)
+def arg_reduce_rule(eqn: JaxprEqn) -> Rule:
+    """Like `reduce_rule`, but the reduced dim is need-replication."""
+    return reduce_rule(eqn, FactorKind.NEED_REPLICATION)

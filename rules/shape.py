@@ -1,0 +1,180 @@
+"""Shape primitives: broadcasts, reshapes, transposes, squeezes, iota, slicing and joins.
+
+`reshape` is a factorization with compound dims: ``(6,12,24,48)->(72,24,6,8)`` is
+``([a, b, c, de]) -> ([ab], [c], [d], [e])``, so "only the major factor of a merged dim
+may carry the sharding" falls out of the engine. Dims whose sizes change (a sliced,
+padded or concatenated dim) are need-replication: sharding them would move data.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jax.extend.core import JaxprEqn
+from jax.extend.core import primitives as p
+
+from jaxshard.rule import FactorKind, Rule, RuleBuilder, primitive, register_rule, shapes_of
+
+NEED = FactorKind.NEED_REPLICATION
+
+
+@register_rule(p.broadcast_in_dim_p)
+def broadcast_in_dim_rule(eqn: JaxprEqn) -> Rule:
+    """Operand dims map to ``broadcast_dimensions``; new and size-1-expanded dims are fresh.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> eqn = jax.make_jaxpr(lambda x: jnp.broadcast_to(x, (4, 8)))(jnp.ones(8)).eqns[0]
+        >>> print(broadcast_in_dim_rule(eqn))
+        ([b])->([a, b]) {a=4, b=8}
+    """
+    (in_shape,), (out_shape,) = shapes_of(eqn.invars[:1]), shapes_of(eqn.outvars)
+    source = {d: i for i, d in enumerate(eqn.params["broadcast_dimensions"])}
+    b = RuleBuilder(len(eqn.invars), 1, ([len(in_shape)] + [0] * (len(eqn.invars) - 1), [len(out_shape)]))
+    for d, size in enumerate(out_shape):
+        i = source.get(d)
+        shared = i is not None and in_shape[i] == size and size != 1
+        b.add_factor({0: i} if shared else {}, {0: d}, size)
+    return b.build()
+
+
+def reshape_builder(in_shape, out_shape) -> RuleBuilder:
+    """Factor a reshape: shared factors where the shapes align, need-replication otherwise.
+
+    Example:
+        >>> print(reshape_builder((6, 12, 24, 48), (72, 24, 6, 8)).build())
+        ([a, b, c, de])->([ab, c, d, e]) {a=6, b=12, c=24, d=6, e=8}
+    """
+    b = RuleBuilder(1, 1, ([len(in_shape)], [len(out_shape)]))
+    if 0 in in_shape or 0 in out_shape:
+        for d, s in enumerate(in_shape):
+            b.add_factor({0: d}, {}, s, NEED)
+        for d, s in enumerate(out_shape):
+            b.add_factor({}, {0: d}, s, NEED)
+        return b
+    ins = [d for d, s in enumerate(in_shape) if s != 1]
+    outs = [d for d, s in enumerate(out_shape) if s != 1]
+    i = j = 0
+    ri = in_shape[ins[0]] if ins else 1
+    rj = out_shape[outs[0]] if outs else 1
+    while i < len(ins) and j < len(outs):
+        g = math.gcd(ri, rj)
+        if g > 1:
+            b.add_factor({0: ins[i]}, {0: outs[j]}, g)
+            ri, rj = ri // g, rj // g
+        else:  # entangled dims: no factor is shared until the products meet again
+            pi, pj = ri, rj
+            b.add_factor({0: ins[i]}, {}, ri, NEED)
+            b.add_factor({}, {0: outs[j]}, rj, NEED)
+            while pi != pj:
+                if pi < pj:
+                    i += 1
+                    pi *= in_shape[ins[i]]
+                    b.add_factor({0: ins[i]}, {}, in_shape[ins[i]], NEED)
+                else:
+                    j += 1
+                    pj *= out_shape[outs[j]]
+                    b.add_factor({}, {0: outs[j]}, out_shape[outs[j]], NEED)
+            ri = rj = 1
+        if ri == 1:
+            i += 1
+            ri = in_shape[ins[i]] if i < len(ins) else 1
+        if rj == 1:
+            j += 1
+            rj = out_shape[outs[j]] if j < len(outs) else 1
+    return b
+
+
+@register_rule(p.reshape_p)
+def reshape_rule(eqn: JaxprEqn) -> Rule:
+    """See `reshape_builder`."""
+    (in_shape, *_), (out_shape,) = shapes_of(eqn.invars), shapes_of(eqn.outvars)
+    return reshape_builder(in_shape, out_shape).build()
+
+
+@register_rule(p.transpose_p)
+def transpose_rule(eqn: JaxprEqn) -> Rule:
+    """Result dim j is operand dim ``permutation[j]``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> eqn = jax.make_jaxpr(lambda x: x.T)(jnp.ones((4, 8))).eqns[0]
+        >>> print(transpose_rule(eqn))
+        ([a, b])->([b, a]) {a=4, b=8}
+    """
+    (in_shape,) = shapes_of(eqn.invars)
+    perm = eqn.params["permutation"]
+    b = RuleBuilder(1, 1, ([len(in_shape)], [len(perm)]))
+    out_of = {d: j for j, d in enumerate(perm)}
+    for d, size in enumerate(in_shape):
+        b.add_factor({0: d}, {0: out_of[d]}, size)
+    return b.build()
+
+
+@register_rule(p.squeeze_p)
+def squeeze_rule(eqn: JaxprEqn) -> Rule:
+    """Removed dims have size 1 and no factor; the rest pass through in order."""
+    (in_shape,), (out_shape,) = shapes_of(eqn.invars), shapes_of(eqn.outvars)
+    removed = {d % len(in_shape) for d in eqn.params["dimensions"]}
+    b = RuleBuilder(1, 1, ([len(in_shape)], [len(out_shape)]))
+    kept = [d for d in range(len(in_shape)) if d not in removed]
+    for j, d in enumerate(kept):
+        b.add_factor({0: d}, {0: j}, in_shape[d])
+    return b.build()
+
+
+@register_rule(p.iota_p)
+def iota_rule(eqn: JaxprEqn) -> Rule:
+    """No operands: each result dim is a fresh factor (any slice of an iota is local)."""
+    (out_shape,) = shapes_of(eqn.outvars)
+    b = RuleBuilder(len(eqn.invars), 1, ([0] * len(eqn.invars), [len(out_shape)]))
+    for d, size in enumerate(out_shape):
+        b.add_factor({}, {0: d}, size)
+    return b.build()
+
+
+def aligned_rule(eqn: JaxprEqn, changed: set[int] = frozenset()) -> Rule:
+    """Same-rank operands and results: dim d is shared where every tensor has the same size
+    and d is not in ``changed``, else need-replication per tensor. Rank-0 operands (start
+    indices, padding values) take part in nothing.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> eqn = jax.make_jaxpr(lambda x: x[:, 1:3])(jnp.ones((4, 8))).eqns[0]
+        >>> print(aligned_rule(eqn))
+        ([a, b])->([a, c]) need_replication={b, c} {a=4, b=8, c=2}
+    """
+    ins, outs = shapes_of(eqn.invars), shapes_of(eqn.outvars)
+    rank = len(outs[0])
+    b = RuleBuilder(len(ins), len(outs), ([len(s) for s in ins], [len(s) for s in outs]))
+    for d in range(rank):
+        tensors = [("in", i, s) for i, s in enumerate(ins) if len(s) == rank and rank]
+        tensors += [("out", i, s) for i, s in enumerate(outs)]
+        sizes = {s[d] for _, _, s in tensors}
+        if len(sizes) == 1 and d not in changed:
+            b.add_factor(
+                {i: d for k, i, _ in tensors if k == "in"}, {i: d for k, i, _ in tensors if k == "out"}, sizes.pop()
+            )
+            continue
+        for kind, i, s in tensors:
+            where = {i: d}
+            b.add_factor(where if kind == "in" else {}, where if kind == "out" else {}, s[d], NEED)
+    return b.build()
+
+
+register_rule(
+    p.slice_p, p.dynamic_slice_p, p.dynamic_update_slice_p, p.concatenate_p, primitive("split")
+)(aligned_rule)
+
+
+@register_rule(p.pad_p)
+def pad_rule(eqn: JaxprEqn) -> Rule:
+    """Any padded dim is need-replication, even one whose size is unchanged (a shift)."""
+    config = eqn.params["padding_config"]
+    return aligned_rule(eqn, {d for d, c in enumerate(config) if any(c)})
+
+
+@register_rule(p.rev_p)
+def rev_rule(eqn: JaxprEqn) -> Rule:
+    """Reversed dims are need-replication (a reversed shard lives on another device)."""
+    return aligned_rule(eqn, set(eqn.params["dimensions"]))

@@ -1,0 +1,36 @@
+"""Higher-order primitives as graph structure: their inner jaxprs, linked to the outer values.
+
+`jit` (pjit), `closed_call`, `remat`/`checkpoint`, `custom_jvp_call` and
+`custom_vjp_call` call one inner jaxpr on the equation's operands: each operand is the
+inner input of the same position (after the constants) and each result the inner output.
+The links are identities, so the engine inlines them.
+"""
+
+from __future__ import annotations
+
+from jax.extend.core import JaxprEqn
+from jax.extend.core import primitives as p
+
+from jaxshard.rule import Link, Region, register_region
+
+
+def call_region(eqn: JaxprEqn) -> list[Region]:
+    """One region: operand i is inner input i, result i is inner output i.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> eqn = jax.make_jaxpr(jax.jit(jnp.sin))(jnp.ones(3)).eqns[0]
+        >>> [link.outer for link in call_region(eqn)[0].links]
+        [('in', 0), ('out', 0)]
+    """
+    params = eqn.params
+    inner = params.get("jaxpr", params.get("call_jaxpr"))
+    jaxpr, consts = (inner.jaxpr, tuple(inner.consts)) if hasattr(inner, "consts") else (inner, ())
+    links = [Link(("in", i), ("in", i)) for i in range(len(eqn.invars))]
+    links += [Link(("out", i), ("out", i)) for i in range(len(eqn.outvars))]
+    return [Region(jaxpr, consts, tuple(links))]
+
+
+register_region(
+    p.jit_p, p.closed_call_p, p.remat_p, p.custom_jvp_call_p, p.custom_vjp_call_p
+)(call_region)
