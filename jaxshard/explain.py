@@ -72,7 +72,7 @@ def explain_plan(plan: Plan, max_reshards: int = 40) -> str:
         out.append("none")
     for c in plan.conflicts:
         opts = "; ".join(f"{to_spec([o])} held by {len(h)}" for o, h in c.options.items())
-        out.append(f"conflict at {g.apps[c.app].describe()} on factor {c.factor}: {opts} -> "
+        out.append(f"conflict at {g.apps[c.app].describe()} on {c.factor}: {opts} -> "
                    f"{to_spec([c.chosen])} ({c.reason})")
     device, total = plan.per_device_bytes()
     out += ["", f"arguments: {human_bytes(device)} per device ({human_bytes(total)} replicated)",

@@ -204,14 +204,15 @@ def _build_regions(g: Graph, eqn: JaxprEqn, regions, operands, path: Path, axis_
 def tied_results(traced: Traced) -> list[tuple[int, int]]:
     """Pairs (argument leaf, result leaf) where a result is the new value of an argument.
 
-    A top-level result element (or the whole result) ties to the first top-level
-    argument with the same tree structure, shapes and dtypes: new params keep the
-    params' layout, so a training loop never reshards between steps.
+    A top-level result element (or the whole result) that is a container (not a bare
+    array) ties to the first top-level argument with the same tree structure, shapes
+    and dtypes: new params keep the params' layout, so a training loop never reshards
+    between steps.
 
     Example:
         >>> import jax.numpy as jnp
         >>> from jaxshard.trace import trace
-        >>> t = trace(lambda p, x: ({"w": p["w"] * 2}, x.sum()), ({"w": jnp.ones(3)}, jnp.ones(2)), {})
+        >>> t = trace(lambda p, x: ({"w": p["w"] * 2}, x * 2), ({"w": jnp.ones(3)}, jnp.ones(2)), {})
         >>> tied_results(t)
         [(0, 0)]
     """
@@ -225,6 +226,8 @@ def tied_results(traced: Traced) -> list[tuple[int, int]]:
     used: set[int] = set()
     for element in elements:
         out_leaves, out_def = jax.tree_util.tree_flatten(element)
+        if jax.tree_util.treedef_is_leaf(out_def):
+            continue
         for g_index, group in enumerate(groups):
             in_leaves, in_def = jax.tree_util.tree_flatten(group)
             if g_index in used or in_def != out_def or not in_leaves:

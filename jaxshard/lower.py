@@ -15,6 +15,8 @@ import jax
 from jax.extend.core import Jaxpr, Literal
 from jax.sharding import AxisType, Mesh, NamedSharding
 
+from jax._src import source_info_util  # keeps user source lines on replayed equations
+
 from jaxshard.annotate import hint_p
 from jaxshard.lattice import to_spec
 from jaxshard.plan import Plan
@@ -66,7 +68,7 @@ class Lowered:
         }
         closed = plan.traced.jaxpr
         self.jitted = jax.jit(
-            lambda *flat: self._eval(closed.jaxpr, closed.consts, flat, ()),
+            lambda *flat: tuple(self._eval(closed.jaxpr, closed.consts, flat, ())),
             in_shardings=self.in_shardings,
             out_shardings=self.out_shardings,
         )
@@ -96,8 +98,8 @@ class Lowered:
             elif region_fn is not None:
                 outs = self._inline(eqn, region_fn(eqn), invals, path + (index,))
             else:
-                subfuns, params = eqn.primitive.get_bind_params(eqn.params)
-                outs = eqn.primitive.bind(*subfuns, *invals, **params)
+                with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
+                    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
                 outs = outs if eqn.primitive.multiple_results else [outs]
             for var, value in zip(eqn.outvars, outs):
                 sharding = pins.get((path, var))

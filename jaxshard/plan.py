@@ -69,8 +69,9 @@ class Plan:
         self.reshards: list[Reshard] = []
         self._analyze(prop)
         self.out_dims = [self.dims[v] for v in graph.out_vids]
-        for i, o in graph.ties:  # the new value of an argument keeps its layout
-            self.out_dims[o] = self.dims[graph.in_vids[i]]
+        for i, o in graph.ties:  # the new value of an argument keeps its layout...
+            if graph.out_vids[o] not in prop.hinted:  # ...unless the user pinned the result
+                self.out_dims[o] = self.dims[graph.in_vids[i]]
 
     def _analyze(self, prop: Propagator) -> None:
         g = self.graph
@@ -79,8 +80,11 @@ class Plan:
             for vid, d, want in prop.implied(a):
                 if want is not None and self.dims[vid][d] != want:
                     wants.setdefault(vid, list(self.dims[vid]))[d] = want
-            for vid, dst in wants.items():
-                self._add_reshard(a, vid, self.dims[vid], tuple(dst), frozenset())
+            for vid, work in wants.items():
+                if vid in app.results:  # computed in the working layout, then moved
+                    self._add_reshard(a, vid, tuple(work), self.dims[vid], frozenset())
+                else:
+                    self._add_reshard(a, vid, self.dims[vid], tuple(work), frozenset())
             if any(f.kind is FactorKind.REDUCTION for f in app.rule.factors):
                 axes = prop.partial_axes(a)
                 for r in app.results:
@@ -175,12 +179,13 @@ class Plan:
             return origin.text
         via = self.graph.apps[origin.app].describe()
         seen = set()
+        args = set(self.graph.in_vids)
         while origin is not None and origin.kind == "propagated" and (vid, d) not in seen:
             seen.add((vid, d))
             vid, d = origin.source, origin.source_dim
             origin = self.origins[vid][d]
             name = self.graph.names.get(vid)
-            if name is not None:
+            if name is not None and (vid in args or origin is None or origin.kind != "propagated"):
                 hint = f" ({origin.text})" if origin is not None and origin.kind == "hint" else ""
                 return f"propagated from {name} dim {d}{hint} via {via}"
         if origin is not None and origin.kind == "hint":

@@ -4,8 +4,9 @@ Visiting an application reads every factor's sharding from all its operands and
 results, merges per factor, and writes the result back into dims that are still open
 (forward, backward and sideways at once). A dim only ever goes from open to known, so
 the worklist terminates. Two different known shardings meeting on one factor are a
-conflict: recorded with both origins, decided by policy (a user hint wins; otherwise
-the option whose reshards move fewer bytes), and never written over a known dim — the
+conflict: recorded with both origins, decided by policy (a sharding that comes from a
+user hint beats a default; otherwise the option whose reshards move fewer bytes per
+device wins), and never written over a known dim — the
 tensors that lose are resharded at that equation.
 """
 
@@ -35,6 +36,7 @@ class Origin:
     app: int = -1  # for "propagated": the application it came through
     source: int = -1  # for "propagated": the value it came from
     source_dim: int = -1  # ... and that value's dim
+    from_hint: bool = False  # a hint, or propagated from one (beats defaults in conflicts)
 
 
 @dataclass
@@ -87,6 +89,7 @@ class Propagator:
         self.state = State(dims, origins)
         self.uses = graph.uses()
         self._members = [self._compile(app) for app in graph.apps]
+        self.hinted: set[int] = set()
         self._queue: deque[int] = deque()
         self._queued = bytearray(len(graph.apps))
         self._split = lru_cache(maxsize=None)(lambda axes, sizes: split_axes(axes, sizes, self.axis_sizes))
@@ -106,10 +109,11 @@ class Propagator:
     def pin(self, vid: int, pin: Pin) -> None:
         """Set the dims a user pinned (a hint) and queue their applications."""
         dims, origins = self.state.dims[vid], self.state.origins[vid]
+        self.hinted.add(vid)
         for d, value in enumerate(pin.dims):
             if value is not None:
                 dims[d] = value
-                origins[d] = Origin("hint", pin.source)
+                origins[d] = Origin("hint", pin.source, from_hint=True)
         self._enqueue(self.uses[vid])
 
     def default(self, vids: Iterable[int], text: str) -> None:
@@ -135,18 +139,70 @@ class Propagator:
     # --- the fixed point -----------------------------------------------------------
 
     def run(self) -> None:
-        """Visit queued applications until nothing changes."""
+        """Visit queued applications in rounds until nothing changes.
+
+        A round reads the state as it was when the round began and applies all writes
+        together, so two shardings that reach one open dim in the same round are a
+        conflict decided by cost, not by which application was visited first.
+        """
         total_dims = sum(len(s) for s in self.graph.shapes)
         bound = len(self.graph.apps) + sum(len(u) for u in self.uses) * 2 + total_dims + 16
         visits = 0
         while self._queue:
-            a = self._queue.popleft()
-            self._queued[a] = 0
-            self._visit(a)
-            visits += 1
+            batch = list(self._queue)
+            self._queue.clear()
+            proposals: dict[tuple[int, int], list[tuple[Axes, Origin]]] = {}
+            for a in batch:
+                self._queued[a] = 0
+                self._visit(a, proposals)
+            visits += len(batch)
             if visits > bound:
                 raise JaxshardBug(f"propagation exceeded {bound} visits without reaching a fixed point")
+            self._apply(proposals)
         self.state.visits += visits
+
+    def _apply(self, proposals: dict[tuple[int, int], list[tuple[Axes, Origin]]]) -> None:
+        dims, origins = self.state.dims, self.state.origins
+        for (vid, d), props in proposals.items():
+            state = dims[vid]
+            if state[d] is not None:
+                continue
+            axes, origin = props[0]
+            if any(p[0] != axes for p in props):
+                axes, origin = self._resolve_value(vid, d, props)
+            if axes and any(ax in other for other in state if other for ax in axes):
+                continue  # an axis may shard one dim only; the final pass records a reshard
+            state[d] = axes
+            origins[vid][d] = origin
+            self._enqueue(self.uses[vid])
+
+    def _resolve_value(self, vid: int, d: int, props: list[tuple[Axes, Origin]]) -> tuple[Axes, Origin]:
+        options: dict[Axes, list[tuple[int, int]]] = {}
+        for axes, origin in props:
+            holders = options.setdefault(axes, [])
+            if (origin.source, origin.source_dim) not in holders:
+                holders.append((origin.source, origin.source_dim))
+        pool = sorted({axes for axes, o in props if o.from_hint}) or sorted(options)
+        chosen, reason = self._decide(pool, options)
+        name = self.graph.names.get(vid, f"%{vid}")
+        origin = next(o for axes, o in props if axes == chosen)
+        self.state.conflicts[(-1 - vid, d)] = Conflict(
+            origin.app, f"dim {d} of {name}", options, chosen, "reached in the same round; " + reason
+        )
+        return chosen, origin
+
+    def _decide(
+        self, pool: list[Axes], options: dict[Axes, list[tuple[int, int]]], results: set[int] = frozenset()
+    ) -> tuple[Axes, str]:
+        """The policy: options derived from hints beat defaults, then fewest bytes moved.
+        Operands move from their layout to the chosen one; ``results`` move from the
+        chosen one to theirs."""
+        if len(pool) == 1:
+            return pool[0], "a hinted sharding beats a default"
+        costs = {option: self._cost_to(option, options, results) for option in pool}
+        chosen = min(pool, key=lambda o: (costs[o], -len(o), o))
+        shown = ", ".join(f"{format_dim(o)}: {costs[o]:.0f} B" for o in pool)
+        return chosen, f"cheapest reshard in bytes per device ({shown})"
 
     def factor_values(self, a: int) -> tuple[dict[int, Axes], dict[int, tuple[int, int]]]:
         """The merged sharding of each factor at application ``a``, and a (value, dim)
@@ -178,14 +234,13 @@ class Propagator:
             sources[f] = next((vid, d) for axes, vid, d in cs if axes == first)
         return values, sources
 
-    def _visit(self, a: int) -> None:
+    def _visit(self, a: int, proposals: dict[tuple[int, int], list[tuple[Axes, Origin]]]) -> None:
         values, sources = self.factor_values(a)
         if not values:
             return
-        dims, origins = self.state.dims, self.state.origins
+        dims = self.state.dims
         for vid, entries in self._members[a]:
             state = dims[vid]
-            changed = False
             for d, fl, sizes in entries:
                 if state[d] is not None:
                     continue
@@ -195,45 +250,34 @@ class Propagator:
                     new, _ = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
                 if new is None:
                     continue
-                if new and any(ax in other for other in state if other for ax in new):
-                    continue  # an axis may shard one dim only; the final pass records a reshard
-                state[d] = new
                 src, src_dim = sources.get(fl[0], (-1, -1))
-                origins[vid][d] = Origin("propagated", app=a, source=src, source_dim=src_dim)
-                changed = True
-            if changed:
-                self._enqueue(self.uses[vid])
+                root = self.state.origins[src][src_dim] if src >= 0 else None
+                hinted = root is not None and root.from_hint
+                origin = Origin("propagated", app=a, source=src, source_dim=src_dim, from_hint=hinted)
+                proposals.setdefault((vid, d), []).append((new, origin))
 
     def _resolve(self, a: int, f: int, cands: list[tuple[Axes, int, int]]) -> Axes:
         options: dict[Axes, list[tuple[int, int]]] = {}
         for axes, vid, d in cands:
             options.setdefault(axes, []).append((vid, d))
         origins = self.state.origins
-        hinted = sorted({axes for axes, vid, d in cands if origins[vid][d].kind == "hint"})
-        pool = hinted or sorted(options)
-        costs = {option: self._cost_to(option, options) for option in pool}
-        chosen = min(pool, key=lambda o: (costs[o], -len(o), o))
-        if len(hinted) == 1:
-            reason = "user hint wins"
-        else:
-            shown = ", ".join(f"{format_dim(o)}: {costs[o]:.0f} B" for o in pool)
-            reason = f"cheapest reshard in bytes per device ({shown})"
-            if hinted:
-                reason = "several hints; " + reason
+        pool = sorted({axes for axes, vid, d in cands if origins[vid][d].from_hint}) or sorted(options)
+        chosen, reason = self._decide(pool, options, set(self.graph.apps[a].results))
         name = self.graph.apps[a].rule.factors[f].name
-        self.state.conflicts[(a, f)] = Conflict(a, name, options, chosen, reason)
+        self.state.conflicts[(a, f)] = Conflict(a, f"factor {name}", options, chosen, reason)
         return chosen
 
-    def _cost_to(self, option: Axes, options: dict[Axes, list[tuple[int, int]]]) -> float:
+    def _cost_to(self, option: Axes, options: dict[Axes, list[tuple[int, int]]], results=frozenset()) -> float:
         total = 0.0
+        g = self.graph
         for axes, holders in options.items():
             if axes == option:
                 continue
             for vid, d in holders:
-                src = self.state.dims[vid]
-                dst = list(src)
-                dst[d] = option
-                g = self.graph
+                have = self.state.dims[vid]
+                work = list(have)
+                work[d] = option
+                src, dst = (work, have) if vid in results else (have, work)
                 total += reshard_cost(g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes)[0]
         return total
 
@@ -245,13 +289,38 @@ class Propagator:
         """
         values, _ = self.factor_values(a)
         factors = self.graph.apps[a].rule.factors
+        for f, factor in enumerate(factors):
+            if factor.kind is NEED:
+                values[f] = ()
+        changed = True
+        while changed:  # a factor some dim cannot express is worked in replicated
+            changed = False
+            for _, entries in self._members[a]:
+                for _, fl, sizes in entries:
+                    if len(fl) > 1:
+                        _, exact = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
+                        if not exact:
+                            changed = self._drop_unexpressible(values, fl, sizes)
         out = []
         for vid, entries in self._members[a]:
             for d, fl, sizes in entries:
-                fvals = [() if factors[f].kind is NEED else values.get(f) for f in fl]
-                want, _ = join_axes(fvals, sizes, self.axis_sizes)
+                want, _ = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
                 out.append((vid, d, want))
         return out
+
+    def _drop_unexpressible(self, values: dict[int, Axes], fl, sizes) -> bool:
+        import math
+
+        for i, f in enumerate(fl):
+            axes = values.get(f)
+            if axes is None or math.prod(self.axis_sizes[x] for x in axes) != sizes[i]:
+                changed = False
+                for later in fl[i + 1 :]:
+                    if values.get(later):
+                        values[later] = ()
+                        changed = True
+                return changed
+        return False
 
     def partial_axes(self, a: int) -> frozenset[str]:
         """Mesh axes over which the results of application ``a`` are pending partial sums."""

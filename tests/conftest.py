@@ -1,0 +1,27 @@
+"""Shared test set-up: 8 simulated CPU devices (set before JAX is imported), the example
+models on the path, and meshes and models shared across tests to keep compiles few."""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def mesh():
+    """A 2x4 (data, model) mesh with Auto axes."""
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+@pytest.fixture(scope="session")
+def explicit_mesh():
+    """The same mesh with `jax.make_mesh`'s default Explicit axes."""
+    return jax.make_mesh((2, 4), ("data", "model"))

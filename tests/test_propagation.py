@@ -1,0 +1,102 @@
+"""Propagation: forward, backward, fixed-point idempotence, and conflict policy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxshard
+from jaxshard.plan import make_plan
+from jaxshard.propagate import Propagator
+
+X = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+W1 = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+W2 = jax.ShapeDtypeStruct((32, 8), jnp.float32)
+
+
+def mlp2(x, w1, w2):
+    return jnp.tanh(x @ w1) @ w2
+
+
+def test_forward_column_then_row_parallel(mesh):
+    plan = make_plan(mlp2, (X, W1, W2), {}, mesh, {"x": P("data"), "w1": P(None, "model")})
+    assert plan.in_specs == (P("data"), P(None, "model"), P("model"))
+    assert plan.out_specs == P("data")
+    (reduction,) = [r for r in plan.reshards if r.partial]
+    assert reduction.partial == {"model"} and "all-reduce over model" in reduction.collectives
+
+
+def test_backward_from_result_hint(mesh):
+    plan = make_plan(lambda x, w: x @ w, (X, W1), {}, mesh, {"out": P("data", "model")})
+    assert plan.in_specs == (P("data"), P(None, "model"))
+    assert plan.reshards == []
+
+
+def test_hint_inside_function(mesh):
+    def f(x, w1, w2):
+        h = jaxshard.hint(jnp.tanh(x @ w1), P("data", "model"))
+        return h @ w2
+
+    plan = make_plan(f, (X, W1, W2), {}, mesh)
+    assert plan.in_specs == (P("data"), P(None, "model"), P("model"))
+
+
+def test_propagating_again_changes_nothing(mesh):
+    plan = make_plan(mlp2, (X, W1, W2), {}, mesh, {"x": P("data"), "w1": P(None, "model")})
+    prop = Propagator(plan.graph, plan.axis_sizes)
+    prop.state.dims = [list(d) for d in plan.dims]
+    prop.state.origins = [list(o) for o in plan.origins]
+    prop._enqueue(range(len(plan.graph.apps)))
+    prop.run()
+    assert [tuple(d) for d in prop.state.dims] == plan.dims
+
+
+def test_conflict_keeps_hinted_layouts_and_reshards_the_loser(mesh):
+    def f(x, y):
+        return jnp.sin(x) + jnp.cos(y)
+
+    plan = make_plan(f, (X, X), {}, mesh, {"x": P("data"), "out": P(None)})
+    assert plan.conflicts, "two hints pulling one value apart must be recorded"
+    assert all("bytes per device" in c.reason for c in plan.conflicts)
+    assert plan.in_specs[0] == P("data") and plan.out_specs == P()
+    (reshard,) = plan.reshards
+    assert reshard.collectives == ("all-gather over data",)
+    assert "cheapest reshard" in plan.explain()
+
+
+def test_conflict_between_hints_takes_cheaper_reshard(mesh):
+    big = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    mask = jax.ShapeDtypeStruct((8, 64), jnp.bool_)
+
+    def f(m, a, b):
+        return jax.lax.select(m, jnp.sin(a), jnp.cos(b))
+
+    plan = make_plan(f, (mask, big, big), {}, mesh, {"m": P("data"), "a": P("model"), "b": P("model")})
+    # moving the 1-byte mask beats moving two f32 arrays, at every conflict
+    assert plan.conflicts and all(c.chosen == ("model",) for c in plan.conflicts)
+    assert all("cheapest reshard" in c.reason for c in plan.conflicts)
+    assert "m" in {plan.graph.names.get(r.vid) for r in plan.reshards}
+
+
+def test_unsharded_numbers_unchanged_by_conflicting_plan(mesh):
+    def f(x, y):
+        return jnp.sin(x) + jnp.cos(y)
+
+    step = jaxshard.auto_shard(mesh, {"x": P("data"), "y": P("model")})(f)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16)), jnp.float32)
+    np.testing.assert_allclose(step(x, x), f(x, x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape, spec", [((6, 12, 24, 48), P("data")), ((6, 12, 24, 48), P(None, "model"))])
+def test_reshape_propagates_through_compound_dims(mesh, shape, spec):
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    plan = make_plan(lambda a: a.reshape(72, 24, 6, 8), (x,), {}, mesh, {"a": spec})
+    # data (2) divides the major factor 6 of the merged dim; model (4) on the minor
+    # factor 12 cannot pass to dim 0 of the result and is reported as a reshard.
+    if spec == P("data"):
+        assert plan.out_specs == P("data") and plan.reshards == []
+    else:
+        assert plan.out_specs == P()
+        (r,) = plan.reshards
+        assert r.collectives == ("all-gather over model",)
