@@ -17,16 +17,18 @@ import os
 import sys
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
+import models  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxshard  # noqa: E402
-import models  # noqa: E402
 from jaxshard.explain import human_bytes  # noqa: E402
 
 HINTS = {
@@ -68,8 +70,10 @@ def main() -> None:
         print(f"  params/{jax.tree_util.keystr(path, simple=True, separator='/'):<24} {spec}")
     p_dev, p_all = plan.per_device_bytes("params/")
     o_dev, o_all = plan.per_device_bytes("opt_state/")
-    print(f"params + optimizer state: {human_bytes(p_dev + o_dev)} per device, "
-          f"{human_bytes(p_all + o_all)} replicated ({(p_all + o_all) / (p_dev + o_dev):.2f}x less)")
+    print(
+        f"params + optimizer state: {human_bytes(p_dev + o_dev)} per device, "
+        f"{human_bytes(p_all + o_all)} replicated ({(p_all + o_all) / (p_dev + o_dev):.2f}x less)"
+    )
     print(f"predicted communication: {human_bytes(plan.predicted_bytes)} per device per step")
 
     reference = jax.jit(train_step)

@@ -10,6 +10,7 @@ hint is validated here against the mesh and the array, with errors that name it.
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from collections.abc import Mapping, Sequence
@@ -17,12 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+from jax._src import source_info_util  # no public API for source lines yet
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec
 
 from jaxshard.errors import JaxshardWarning, ShardingError
 from jaxshard.lattice import DimSharding, check_dims, from_spec, merge_dim, spec_entry
+
+# jaxshard's own frames are not the user's source line in error messages and tracebacks
+source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)))
 
 hint_p = Primitive("jaxshard_hint")
 hint_p.def_impl(lambda x, *, spec: x)
@@ -59,7 +64,9 @@ def hint(x: Any, spec: PartitionSpec | Any) -> Any:
     if isinstance(spec, PartitionSpec):
         return jax.tree_util.tree_map(lambda leaf: hint_p.bind(leaf, spec=spec), x)
     return jax.tree_util.tree_map(
-        lambda leaf, s: hint_p.bind(leaf, spec=s), x, spec,
+        lambda leaf, s: hint_p.bind(leaf, spec=s),
+        x,
+        spec,
         is_leaf=lambda s: isinstance(s, PartitionSpec),
     )
 
@@ -73,11 +80,21 @@ class Pin:
 
 
 def _spec_text(spec: PartitionSpec) -> str:
-    return "P(" + ", ".join(repr(e) if e is not PartitionSpec.UNCONSTRAINED else "P.UNCONSTRAINED" for e in spec) + ")"
+    return (
+        "P("
+        + ", ".join(
+            repr(e) if e is not PartitionSpec.UNCONSTRAINED else "P.UNCONSTRAINED" for e in spec
+        )
+        + ")"
+    )
 
 
 def pin_from_spec(
-    spec: PartitionSpec, shape: Sequence[int], axis_sizes: Mapping[str, int], where: str, source: str
+    spec: PartitionSpec,
+    shape: Sequence[int],
+    axis_sizes: Mapping[str, int],
+    where: str,
+    source: str,
 ) -> Pin:
     """Validate a partial spec for one array and turn it into a Pin.
 
@@ -87,7 +104,9 @@ def pin_from_spec(
         (('data',), None)
     """
     if not isinstance(spec, PartitionSpec):
-        raise ShardingError(f"{where}: {source} is a {type(spec).__name__}; give a jax.sharding.PartitionSpec")
+        raise ShardingError(
+            f"{where}: {source} is a {type(spec).__name__}; give a jax.sharding.PartitionSpec"
+        )
     if len(spec) > len(shape):
         raise ShardingError(
             f"{where}: {source} has {len(spec)} entries but the array has rank {len(shape)} "
@@ -111,7 +130,8 @@ def match_hints(
 
     Example:
         >>> from jax.sharding import PartitionSpec as P
-        >>> pins = match_hints({r"batch/.*": P("data")}, ["params/w", "batch/x"], [(4, 4), (8, 4)], {"data": 2})
+        >>> names, shapes = ["params/w", "batch/x"], [(4, 4), (8, 4)]
+        >>> pins = match_hints({r"batch/.*": P("data")}, names, shapes, {"data": 2})
         >>> pins[1].dims
         (('data',), None)
     """
@@ -125,7 +145,9 @@ def match_hints(
     for key, pattern, spec in compiled:
         hits = [i for i, n in enumerate(names) if pattern.fullmatch(n)]
         if not hits:
-            shown = ", ".join(names[:60]) + (f", ... ({len(names) - 60} more)" if len(names) > 60 else "")
+            shown = ", ".join(names[:60]) + (
+                f", ... ({len(names) - 60} more)" if len(names) > 60 else ""
+            )
             warnings.warn(
                 f"hint {key!r} matched no argument or result path. Keys are regexes fully "
                 f"matched against paths; the available paths are: {shown}",

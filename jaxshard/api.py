@@ -73,7 +73,8 @@ class AutoShard:
         lowered = self._lowered(args, kwargs)
         flat = jax.tree_util.tree_leaves((args, kwargs))
         abstract = [
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(flat, lowered.in_shardings)
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+            for x, s in zip(flat, lowered.in_shardings)
         ]
         return lowered.lower(abstract)
 
@@ -83,7 +84,10 @@ class AutoShard:
         placed = [_place(x, s) for x, s in zip(flat, lowered.in_shardings)]
         outs = lowered(placed)
         if lowered.mesh is not self.mesh:  # hand results back on the caller's (Explicit) mesh
-            outs = [jax.device_put(o, NamedSharding(self.mesh, s.spec)) for o, s in zip(outs, lowered.out_shardings)]
+            outs = [
+                jax.device_put(o, NamedSharding(self.mesh, s.spec))
+                for o, s in zip(outs, lowered.out_shardings)
+            ]
         return jax.tree_util.tree_unflatten(lowered.plan.traced.out_tree, outs)
 
 

@@ -83,7 +83,11 @@ def reshard_cost(
         n = math.prod(axis_sizes[a] for a in scattered)
         cost += (n - 1) / n * local_src
         ops.append("reduce-scatter over " + ",".join(scattered))
-    moved = sorted(a for a, i in where_src.items() if a in where_dst and (where_dst[a] != i or _order_changed(src[i], dst[where_dst[a]], a)))
+    moved = sorted(
+        a
+        for a, i in where_src.items()
+        if a in where_dst and (where_dst[a] != i or _order_changed(src[i], dst[where_dst[a]], a))
+    )
     if moved:
         n = math.prod(axis_sizes[a] for a in moved)
         cost += (n - 1) / n * local_dst

@@ -52,19 +52,34 @@ def explain_plan(plan: Plan, max_reshards: int = 40) -> str:
     named += [(n, v, d) for n, v, d in zip(plan.traced.out_names, g.out_vids, plan.out_dims)]
     for name, vid, dims in named:
         shape, dtype = g.shapes[vid], g.dtypes[vid]
-        rows.append([
-            name, str(tuple(shape)), str(np.dtype(dtype)) if dtype is not None else "-",
-            str(to_spec(dims)), human_bytes(per_device_bytes(shape, dtype, dims, sizes)),
-            plan.origin_text(vid),
-        ])
+        rows.append(
+            [
+                name,
+                str(tuple(shape)),
+                str(np.dtype(dtype)) if dtype is not None else "-",
+                str(to_spec(dims)),
+                human_bytes(per_device_bytes(shape, dtype, dims, sizes)),
+                plan.origin_text(vid),
+            ]
+        )
     mesh = " x ".join(f"{a}={n}" for a, n in sizes.items())
-    out = [f"jaxshard plan on mesh ({mesh}): {len(g.apps)} rule applications, {plan.visits} visits",
-           "", _table(rows, ["path", "shape", "dtype", "spec", "per device", "origin"])]
+    out = [
+        f"jaxshard plan on mesh ({mesh}): {len(g.apps)} rule applications, {plan.visits} visits",
+        "",
+        _table(rows, ["path", "shape", "dtype", "spec", "per device", "origin"]),
+    ]
     out += ["", f"reshards and pending reductions ({len(plan.reshards)}):"]
     if plan.reshards:
-        rrows = [[r.where, g.names.get(r.vid, f"%{r.vid}"), f"{to_spec(r.src)} -> {to_spec(r.dst)}",
-                  human_bytes(r.bytes), ", ".join(r.collectives)]
-                 for r in sorted(plan.reshards, key=lambda r: -r.bytes)[:max_reshards]]
+        rrows = [
+            [
+                r.where,
+                g.names.get(r.vid, f"%{r.vid}"),
+                f"{to_spec(r.src)} -> {to_spec(r.dst)}",
+                human_bytes(r.bytes),
+                ", ".join(r.collectives),
+            ]
+            for r in sorted(plan.reshards, key=lambda r: -r.bytes)[:max_reshards]
+        ]
         out.append(_table(rrows, ["at", "value", "layout", "bytes/device", "collectives"]))
         if len(plan.reshards) > max_reshards:
             out.append(f"... and {len(plan.reshards) - max_reshards} smaller ones")
@@ -72,11 +87,20 @@ def explain_plan(plan: Plan, max_reshards: int = 40) -> str:
         out.append("none")
     for c in plan.conflicts:
         opts = "; ".join(f"{to_spec([o])} held by {len(h)}" for o, h in c.options.items())
-        out.append(f"conflict at {g.apps[c.app].describe()} on {c.factor}: {opts} -> "
-                   f"{to_spec([c.chosen])} ({c.reason})")
+        out.append(
+            f"conflict at {g.apps[c.app].describe()} on {c.factor}: {opts} -> "
+            f"{to_spec([c.chosen])} ({c.reason})"
+        )
     device, total = plan.per_device_bytes()
-    out += ["", f"arguments: {human_bytes(device)} per device ({human_bytes(total)} replicated)",
-            f"results: {human_bytes(sum(per_device_bytes(g.shapes[v], g.dtypes[v], d, sizes) for v, d in zip(g.out_vids, plan.out_dims)))} per device "
-            f"({human_bytes(sum(nbytes(g.shapes[v], g.dtypes[v]) for v in g.out_vids))} replicated)",
-            f"predicted communication: {human_bytes(plan.predicted_bytes)} per device per call"]
+    results_device = sum(
+        per_device_bytes(g.shapes[v], g.dtypes[v], d, sizes)
+        for v, d in zip(g.out_vids, plan.out_dims)
+    )
+    out += [
+        "",
+        f"arguments: {human_bytes(device)} per device ({human_bytes(total)} replicated)",
+        f"results: {human_bytes(results_device)} per device "
+        f"({human_bytes(sum(nbytes(g.shapes[v], g.dtypes[v]) for v in g.out_vids))} replicated)",
+        f"predicted communication: {human_bytes(plan.predicted_bytes)} per device per call",
+    ]
     return "\n".join(out)

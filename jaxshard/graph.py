@@ -156,12 +156,18 @@ def _build(g: Graph, jaxpr: Jaxpr, in_vids: Sequence[int], path: Path, axis_size
             g.unknown.setdefault(eqn.primitive.name, source_line(eqn))
             continue
         rule = rule_fn(eqn)
-        rule.check(shapes_of(eqn.invars), shapes_of(eqn.outvars), f"{eqn.primitive.name} at {source_line(eqn)}")
+        rule.check(
+            shapes_of(eqn.invars),
+            shapes_of(eqn.outvars),
+            f"{eqn.primitive.name} at {source_line(eqn)}",
+        )
         g.apps.append(App(rule, tuple(operands), tuple(results), "eqn", eqn))
     return [read(v) for v in jaxpr.outvars]
 
 
-def _build_regions(g: Graph, eqn: JaxprEqn, regions, operands, path: Path, axis_sizes, bind) -> None:
+def _build_regions(
+    g: Graph, eqn: JaxprEqn, regions, operands, path: Path, axis_sizes, bind
+) -> None:
     results: list[int | None] = [None] * len(eqn.outvars)
     pending: list[tuple[int, int, Rule | None]] = []  # (outer result, inner vid, rule)
     for r, region in enumerate(regions):
@@ -190,7 +196,9 @@ def _build_regions(g: Graph, eqn: JaxprEqn, regions, operands, path: Path, axis_
             vids = [inner[k][j] for k, j in group]
             for other in vids[1:]:
                 if other != vids[0]:
-                    g.apps.append(App(identity_rule(g.shapes[vids[0]]), (vids[0],), (other,), "link", eqn))
+                    g.apps.append(
+                        App(identity_rule(g.shapes[vids[0]]), (vids[0],), (other,), "link", eqn)
+                    )
     for i, var in enumerate(eqn.outvars):
         if results[i] is None:
             results[i] = g.new_value(var.aval)
@@ -212,7 +220,8 @@ def tied_results(traced: Traced) -> list[tuple[int, int]]:
     Example:
         >>> import jax.numpy as jnp
         >>> from jaxshard.trace import trace
-        >>> t = trace(lambda p, x: ({"w": p["w"] * 2}, x * 2), ({"w": jnp.ones(3)}, jnp.ones(2)), {})
+        >>> step = lambda p, x: ({"w": p["w"] * 2}, x * 2)
+        >>> t = trace(step, ({"w": jnp.ones(3)}, jnp.ones(2)), {})
         >>> tied_results(t)
         [(0, 0)]
     """

@@ -12,28 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.extend.core import Jaxpr, Literal
-from jax.sharding import AxisType, Mesh, NamedSharding
-
 from jax._src import source_info_util  # keeps user source lines on replayed equations
+from jax.extend.core import Jaxpr, Literal
+from jax.sharding import NamedSharding
 
 from jaxshard.annotate import hint_p
 from jaxshard.lattice import to_spec
-from jaxshard.plan import Plan
+from jaxshard.plan import Plan, auto_view
 from jaxshard.rule import FactorKind, region_fn_for
-
-
-def auto_view(mesh: Mesh) -> Mesh:
-    """The same devices and axis names with every axis Auto (jaxshard decides shardings).
-
-    Example:
-        >>> import jax
-        >>> auto_view(jax.make_mesh((1,), ("data",))).axis_types
-        (Auto,)
-    """
-    if all(t == AxisType.Auto for t in mesh.axis_types):
-        return mesh
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def pinned_values(plan: Plan) -> set[int]:

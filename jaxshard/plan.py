@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxshard.annotate import Pin, match_hints, merge_pins
 from jaxshard.cost import nbytes, per_device_bytes, reshard_cost
@@ -49,6 +49,19 @@ def mesh_axis_sizes(mesh: Mesh) -> dict[str, int]:
         {'data': 1}
     """
     return dict(zip(mesh.axis_names, mesh.devices.shape))
+
+
+def auto_view(mesh: Mesh) -> Mesh:
+    """The same devices and axis names with every axis Auto (jaxshard decides shardings).
+
+    Example:
+        >>> import jax
+        >>> auto_view(jax.make_mesh((1,), ("data",))).axis_types
+        (Auto,)
+    """
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 class Plan:
@@ -96,7 +109,9 @@ class Plan:
         g = self.graph
         cost, ops = reshard_cost(g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes, partial)
         if ops:
-            self.reshards.append(Reshard(a, vid, src, dst, partial, cost, tuple(ops), g.apps[a].describe()))
+            self.reshards.append(
+                Reshard(a, vid, src, dst, partial, cost, tuple(ops), g.apps[a].describe())
+            )
 
     # --- the public views ------------------------------------------------------------
 
@@ -224,7 +239,8 @@ def make_plan(
     import jaxshard.rules  # noqa: F401 - registers the catalogue
 
     sizes = mesh_axis_sizes(mesh)
-    traced = trace(fn, args, kwargs)
+    with jax.set_mesh(auto_view(mesh)):  # trace as the lowered program will replay it
+        traced = trace(fn, args, kwargs)
     graph = build_graph(traced, sizes)
     names = list(traced.in_names) + list(traced.out_names)
     vids = list(graph.in_vids) + list(graph.out_vids)

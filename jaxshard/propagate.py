@@ -84,7 +84,8 @@ class Propagator:
         self.axis_sizes = dict(axis_sizes)
         dims = [[() if s == 1 else None for s in shape] for shape in graph.shapes]
         origins: list[list[Origin | None]] = [
-            [Origin("default", "size-1 dim") if s == 1 else None for s in shape] for shape in graph.shapes
+            [Origin("default", "size-1 dim") if s == 1 else None for s in shape]
+            for shape in graph.shapes
         ]
         self.state = State(dims, origins)
         self.uses = graph.uses()
@@ -92,14 +93,18 @@ class Propagator:
         self.hinted: set[int] = set()
         self._queue: deque[int] = deque()
         self._queued = bytearray(len(graph.apps))
-        self._split = lru_cache(maxsize=None)(lambda axes, sizes: split_axes(axes, sizes, self.axis_sizes))
+        self._split = lru_cache(maxsize=None)(
+            lambda axes, sizes: split_axes(axes, sizes, self.axis_sizes)
+        )
 
     def _compile(self, app):
         rule = app.rule
         sizes = [f.size for f in rule.factors]
         members = []
         for vid, tdims in zip((*app.operands, *app.results), (*rule.operands, *rule.results)):
-            entries = tuple((d, fl, tuple(sizes[f] for f in fl)) for d, fl in enumerate(tdims) if fl)
+            entries = tuple(
+                (d, fl, tuple(sizes[f] for f in fl)) for d, fl in enumerate(tdims) if fl
+            )
             if entries:
                 members.append((vid, entries))
         return members
@@ -157,7 +162,9 @@ class Propagator:
                 self._visit(a, proposals)
             visits += len(batch)
             if visits > bound:
-                raise JaxshardBug(f"propagation exceeded {bound} visits without reaching a fixed point")
+                raise JaxshardBug(
+                    f"propagation exceeded {bound} visits without reaching a fixed point"
+                )
             self._apply(proposals)
         self.state.visits += visits
 
@@ -176,7 +183,9 @@ class Propagator:
             origins[vid][d] = origin
             self._enqueue(self.uses[vid])
 
-    def _resolve_value(self, vid: int, d: int, props: list[tuple[Axes, Origin]]) -> tuple[Axes, Origin]:
+    def _resolve_value(
+        self, vid: int, d: int, props: list[tuple[Axes, Origin]]
+    ) -> tuple[Axes, Origin]:
         options: dict[Axes, list[tuple[int, int]]] = {}
         for axes, origin in props:
             holders = options.setdefault(axes, [])
@@ -187,12 +196,19 @@ class Propagator:
         name = self.graph.names.get(vid, f"%{vid}")
         origin = next(o for axes, o in props if axes == chosen)
         self.state.conflicts[(-1 - vid, d)] = Conflict(
-            origin.app, f"dim {d} of {name}", options, chosen, "reached in the same round; " + reason
+            origin.app,
+            f"dim {d} of {name}",
+            options,
+            chosen,
+            "reached in the same round; " + reason,
         )
         return chosen, origin
 
     def _decide(
-        self, pool: list[Axes], options: dict[Axes, list[tuple[int, int]]], results: set[int] = frozenset()
+        self,
+        pool: list[Axes],
+        options: dict[Axes, list[tuple[int, int]]],
+        results: set[int] = frozenset(),
     ) -> tuple[Axes, str]:
         """The policy: options derived from hints beat defaults, then fewest bytes moved.
         Operands move from their layout to the chosen one; ``results`` move from the
@@ -253,7 +269,9 @@ class Propagator:
                 src, src_dim = sources.get(fl[0], (-1, -1))
                 root = self.state.origins[src][src_dim] if src >= 0 else None
                 hinted = root is not None and root.from_hint
-                origin = Origin("propagated", app=a, source=src, source_dim=src_dim, from_hint=hinted)
+                origin = Origin(
+                    "propagated", app=a, source=src, source_dim=src_dim, from_hint=hinted
+                )
                 proposals.setdefault((vid, d), []).append((new, origin))
 
     def _resolve(self, a: int, f: int, cands: list[tuple[Axes, int, int]]) -> Axes:
@@ -261,13 +279,17 @@ class Propagator:
         for axes, vid, d in cands:
             options.setdefault(axes, []).append((vid, d))
         origins = self.state.origins
-        pool = sorted({axes for axes, vid, d in cands if origins[vid][d].from_hint}) or sorted(options)
+        pool = sorted({axes for axes, vid, d in cands if origins[vid][d].from_hint}) or sorted(
+            options
+        )
         chosen, reason = self._decide(pool, options, set(self.graph.apps[a].results))
         name = self.graph.apps[a].rule.factors[f].name
         self.state.conflicts[(a, f)] = Conflict(a, f"factor {name}", options, chosen, reason)
         return chosen
 
-    def _cost_to(self, option: Axes, options: dict[Axes, list[tuple[int, int]]], results=frozenset()) -> float:
+    def _cost_to(
+        self, option: Axes, options: dict[Axes, list[tuple[int, int]]], results=frozenset()
+    ) -> float:
         total = 0.0
         g = self.graph
         for axes, holders in options.items():
@@ -327,5 +349,8 @@ class Propagator:
         values, _ = self.factor_values(a)
         factors = self.graph.apps[a].rule.factors
         return frozenset(
-            ax for f, axes in values.items() if factors[f].kind is FactorKind.REDUCTION for ax in axes
+            ax
+            for f, axes in values.items()
+            if factors[f].kind is FactorKind.REDUCTION
+            for ax in axes
         )

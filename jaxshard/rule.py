@@ -64,7 +64,9 @@ class Rule:
 
     def __str__(self) -> str:
         def dims(ds: Dims) -> str:
-            return "[" + ", ".join("".join(self.factors[f].name for f in d) or "1" for d in ds) + "]"
+            return (
+                "[" + ", ".join("".join(self.factors[f].name for f in d) or "1" for d in ds) + "]"
+            )
 
         text = "(" + ", ".join(dims(o) for o in self.operands) + ")->("
         text += ", ".join(dims(r) for r in self.results) + ")"
@@ -74,20 +76,30 @@ class Rule:
                 text += f" {kind.value}={{{', '.join(names)}}}"
         return text + " {" + ", ".join(f"{f.name}={f.size}" for f in self.factors) + "}"
 
-    def check(self, in_shapes: Sequence[Sequence[int]], out_shapes: Sequence[Sequence[int]], what: str) -> None:
+    def check(
+        self, in_shapes: Sequence[Sequence[int]], out_shapes: Sequence[Sequence[int]], what: str
+    ) -> None:
         """Raise JaxshardBug unless the rule matches the equation's shapes.
 
         Example:
             >>> r = einsum_rule("mk,kn->mn", [(2, 3), (3, 4)], [(2, 4)])
             >>> r.check([(2, 3), (3, 4)], [(2, 4)], "dot_general")
         """
-        for label, dims_list, shapes in (("operand", self.operands, in_shapes), ("result", self.results, out_shapes)):
+        for label, dims_list, shapes in (
+            ("operand", self.operands, in_shapes),
+            ("result", self.results, out_shapes),
+        ):
             if len(dims_list) != len(shapes):
-                raise JaxshardBug(f"{what}: rule {self} has {len(dims_list)} {label}s, equation has {len(shapes)}")
+                raise JaxshardBug(
+                    f"{what}: rule {self} has {len(dims_list)} {label}s, equation has {len(shapes)}"
+                )
             for i, (dims, shape) in enumerate(zip(dims_list, shapes)):
                 sizes = tuple(math.prod(self.factors[f].size for f in d) for d in dims)
                 if sizes != tuple(shape):
-                    raise JaxshardBug(f"{what}: rule {self} gives {label} {i} shape {sizes}, equation has {tuple(shape)}")
+                    raise JaxshardBug(
+                        f"{what}: rule {self} gives {label} {i} shape {sizes}, "
+                        f"equation has {tuple(shape)}"
+                    )
 
 
 class RuleBuilder:
@@ -160,7 +172,9 @@ def einsum_rule(
     for tensors, shapes in ((ins, in_shapes), (outs, out_shapes)):
         for dims, shape in zip(tensors, shapes):
             if len(dims) != len(shape):
-                raise JaxshardBug(f"einsum rule {spec!r}: {dims} does not match shape {tuple(shape)}")
+                raise JaxshardBug(
+                    f"einsum rule {spec!r}: {dims} does not match shape {tuple(shape)}"
+                )
             for letters, size in zip(dims, shape):
                 unknown = [c for c in letters if c not in known]
                 if len(unknown) == 1:
@@ -174,7 +188,9 @@ def einsum_rule(
     factors = []
     for c in order:
         if c not in known:
-            raise JaxshardBug(f"einsum rule {spec!r}: size of factor {c!r} is not determined; pass sizes=")
+            raise JaxshardBug(
+                f"einsum rule {spec!r}: size of factor {c!r} is not determined; pass sizes="
+            )
         kind = FactorKind.PASS
         if c in need_replication:
             kind = FactorKind.NEED_REPLICATION

@@ -81,7 +81,9 @@ def abstractify(leaf: Any, name: str) -> jax.ShapeDtypeStruct:
             "arrays only. Pass it as an array, or close over it (functools.partial) if it is "
             "configuration."
         )
-    return jax.ShapeDtypeStruct(tuple(shape), dtype, weak_type=bool(getattr(leaf, "weak_type", False)))
+    return jax.ShapeDtypeStruct(
+        tuple(shape), dtype, weak_type=bool(getattr(leaf, "weak_type", False))
+    )
 
 
 def arg_names(fn: Callable, args: tuple, kwargs: dict) -> tuple[list[str], Any]:
@@ -99,9 +101,7 @@ def arg_names(fn: Callable, args: tuple, kwargs: dict) -> tuple[list[str], Any]:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         params = []
-    positional = [
-        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     var_args = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), "args")
     leaves, tree = jax.tree_util.tree_flatten_with_path((args, kwargs))
     names = []
@@ -121,7 +121,8 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> t = trace(lambda params, x: x @ params["w"], ({"w": jnp.ones((4, 2))}, jnp.ones((3, 4))), {})
+        >>> args = ({"w": jnp.ones((4, 2))}, jnp.ones((3, 4)))
+        >>> t = trace(lambda params, x: x @ params["w"], args, {})
         >>> t.in_names, t.out_names
         (('params/w', 'x'), ('out',))
     """

@@ -40,7 +40,9 @@ def gather_rule(eqn: JaxprEqn) -> Rule:
     out_of_index_dim = dict(zip(index_batch, batch_out))
     operand_batch = dict(zip(dn.operand_batching_dims, dn.start_indices_batching_dims))
     windowed = [
-        d for d in range(len(operand)) if d not in dn.collapsed_slice_dims and d not in operand_batch
+        d
+        for d in range(len(operand))
+        if d not in dn.collapsed_slice_dims and d not in operand_batch
     ]
     out_of_operand_dim = dict(zip(windowed, offset_dims))
     factor_of_index_dim = {}
@@ -72,7 +74,8 @@ def scatter_rule(eqn: JaxprEqn, combinable: bool) -> Rule:
         >>> args = jnp.ones((16, 4)), jnp.zeros((2, 3), int), jnp.ones((2, 3, 4))
         >>> eqn = jax.make_jaxpr(f)(*args).eqns[-1]
         >>> print(scatter_rule(eqn, combinable=True))
-        ([a, b], [c, d, e], [c, d, b])->([a, b]) reduction={c, d} need_replication={a, e} {a=16, b=4, c=2, d=3, e=1}
+        ([a, b], [c, d, e], [c, d, b])->([a, b]) reduction={c, d} need_replication={a, e}
+        {a=16, b=4, c=2, d=3, e=1}
     """
     dn = eqn.params["dimension_numbers"]
     operand, indices, updates = shapes_of(eqn.invars[:3])
@@ -80,7 +83,9 @@ def scatter_rule(eqn: JaxprEqn, combinable: bool) -> Rule:
     window = list(dn.update_window_dims)
     operand_batch = dict(zip(dn.operand_batching_dims, dn.scatter_indices_batching_dims))
     windowed = [
-        d for d in range(len(operand)) if d not in dn.inserted_window_dims and d not in operand_batch
+        d
+        for d in range(len(operand))
+        if d not in dn.inserted_window_dims and d not in operand_batch
     ]
     update_of_operand_dim = dict(zip(windowed, window))
     scatter_update_dims = [d for d in range(len(updates)) if d not in window]
@@ -92,12 +97,18 @@ def scatter_rule(eqn: JaxprEqn, combinable: bool) -> Rule:
         if d in operand_batch:
             i = operand_batch[d]
             b.add_factor({0: d, 1: i, 2: update_of_index_dim[i]}, {0: d}, size)
-        elif d in update_of_operand_dim and updates[update_of_operand_dim[d]] == size and d not in indexed:
+        elif (
+            d in update_of_operand_dim
+            and updates[update_of_operand_dim[d]] == size
+            and d not in indexed
+        ):
             b.add_factor({0: d, 2: update_of_operand_dim[d]}, {0: d}, size)
         else:
             b.add_factor({0: d}, {0: d}, size, NEED)
             if d in update_of_operand_dim:
-                b.add_factor({2: update_of_operand_dim[d]}, {}, updates[update_of_operand_dim[d]], NEED)
+                b.add_factor(
+                    {2: update_of_operand_dim[d]}, {}, updates[update_of_operand_dim[d]], NEED
+                )
     kind = FactorKind.REDUCTION if combinable else NEED
     for i in index_batch:
         if i not in batch_index_dims:

@@ -14,8 +14,13 @@ from jax.extend.core import primitives as p
 from jaxshard.rule import FactorKind, Rule, RuleBuilder, register_rule
 
 _COMBINABLE = [
-    p.reduce_sum_p, p.reduce_max_p, p.reduce_min_p, p.reduce_prod_p,
-    p.reduce_and_p, p.reduce_or_p, p.reduce_xor_p,
+    p.reduce_sum_p,
+    p.reduce_max_p,
+    p.reduce_min_p,
+    p.reduce_prod_p,
+    p.reduce_and_p,
+    p.reduce_or_p,
+    p.reduce_xor_p,
 ]
 
 

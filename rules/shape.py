@@ -30,7 +30,9 @@ def broadcast_in_dim_rule(eqn: JaxprEqn) -> Rule:
     """
     (in_shape,), (out_shape,) = shapes_of(eqn.invars[:1]), shapes_of(eqn.outvars)
     source = {d: i for i, d in enumerate(eqn.params["broadcast_dimensions"])}
-    b = RuleBuilder(len(eqn.invars), 1, ([len(in_shape)] + [0] * (len(eqn.invars) - 1), [len(out_shape)]))
+    b = RuleBuilder(
+        len(eqn.invars), 1, ([len(in_shape)] + [0] * (len(eqn.invars) - 1), [len(out_shape)])
+    )
     for d, size in enumerate(out_shape):
         i = source.get(d)
         shared = i is not None and in_shape[i] == size and size != 1
@@ -153,7 +155,9 @@ def aligned_rule(eqn: JaxprEqn, changed: set[int] = frozenset()) -> Rule:
         sizes = {s[d] for _, _, s in tensors}
         if len(sizes) == 1 and d not in changed:
             b.add_factor(
-                {i: d for k, i, _ in tensors if k == "in"}, {i: d for k, i, _ in tensors if k == "out"}, sizes.pop()
+                {i: d for k, i, _ in tensors if k == "in"},
+                {i: d for k, i, _ in tensors if k == "out"},
+                sizes.pop(),
             )
             continue
         for kind, i, s in tensors:

@@ -31,6 +31,6 @@ def call_region(eqn: JaxprEqn) -> list[Region]:
     return [Region(jaxpr, consts, tuple(links))]
 
 
-register_region(
-    p.jit_p, p.closed_call_p, p.remat_p, p.custom_jvp_call_p, p.custom_vjp_call_p
-)(call_region)
+register_region(p.jit_p, p.closed_call_p, p.remat_p, p.custom_jvp_call_p, p.custom_vjp_call_p)(
+    call_region
+)

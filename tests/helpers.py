@@ -11,4 +11,6 @@ def assert_leaves_match(actual, expected, rel=1e-4):
         e, a = np.asarray(e), np.asarray(a)
         scale = max(float(np.abs(e).max(initial=0.0)), 1e-30)
         err = float(np.abs(a - e).max(initial=0.0))
-        assert err <= rel * scale, f"{jax.tree_util.keystr(path)}: max error {err:.3g} > {rel} x {scale:.3g}"
+        assert err <= rel * scale, (
+            f"{jax.tree_util.keystr(path)}: max error {err:.3g} > {rel} x {scale:.3g}"
+        )

@@ -51,7 +51,12 @@ def test_from_spec(spec, rank, dims):
 
 @pytest.mark.parametrize(
     "dims, spec",
-    [([("x",), (), ()], P("x")), ([(), ("y",)], P(None, "y")), ([None, ()], P(P.UNCONSTRAINED)), ([("x", "y")], P(("x", "y")))],
+    [
+        ([("x",), (), ()], P("x")),
+        ([(), ("y",)], P(None, "y")),
+        ([None, ()], P(P.UNCONSTRAINED)),
+        ([("x", "y")], P(("x", "y"))),
+    ],
 )
 def test_to_spec_round_trip(dims, spec):
     assert to_spec(dims) == spec
@@ -82,7 +87,13 @@ def test_check_dims_rejects(dims, shape, message):
         (("x", "y"), (4, 8), (("x",), ()), ("y",)),  # major not full: y cannot reach minor
         ((), (3, 5), ((), ()), ()),
     ],
-    ids=["merge-major", "major-full-then-minor", "minor-cannot-pass", "partial-major", "replicated"],
+    ids=[
+        "merge-major",
+        "major-full-then-minor",
+        "minor-cannot-pass",
+        "partial-major",
+        "replicated",
+    ],
 )
 def test_split_axes(axes, sizes, parts, left):
     assert split_axes(axes, sizes, SIZES) == (parts, left)

@@ -72,7 +72,9 @@ def test_conflict_between_hints_takes_cheaper_reshard(mesh):
     def f(m, a, b):
         return jax.lax.select(m, jnp.sin(a), jnp.cos(b))
 
-    plan = make_plan(f, (mask, big, big), {}, mesh, {"m": P("data"), "a": P("model"), "b": P("model")})
+    plan = make_plan(
+        f, (mask, big, big), {}, mesh, {"m": P("data"), "a": P("model"), "b": P("model")}
+    )
     # moving the 1-byte mask beats moving two f32 arrays, at every conflict
     assert plan.conflicts and all(c.chosen == ("model",) for c in plan.conflicts)
     assert all("cheapest reshard" in c.reason for c in plan.conflicts)
@@ -88,7 +90,9 @@ def test_unsharded_numbers_unchanged_by_conflicting_plan(mesh):
     np.testing.assert_allclose(step(x, x), f(x, x), rtol=1e-6)
 
 
-@pytest.mark.parametrize("shape, spec", [((6, 12, 24, 48), P("data")), ((6, 12, 24, 48), P(None, "model"))])
+@pytest.mark.parametrize(
+    "shape, spec", [((6, 12, 24, 48), P("data")), ((6, 12, 24, 48), P(None, "model"))]
+)
 def test_reshape_propagates_through_compound_dims(mesh, shape, spec):
     x = jax.ShapeDtypeStruct(shape, jnp.float32)
     plan = make_plan(lambda a: a.reshape(72, 24, 6, 8), (x,), {}, mesh, {"a": spec})
