@@ -23,3 +23,5 @@ __all__ = [
     "make_plan",
 ]
 __version__ = "0.1.0"
+
+import jaxshard.rules  # noqa: E402, F401 - registers the rule catalogue with the engine

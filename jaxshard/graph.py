@@ -31,7 +31,7 @@ def source_line(eqn: JaxprEqn) -> str:
     try:
         from jax._src import source_info_util  # no public API for this yet
 
-        return source_info_util.summarize(eqn.source_info)
+        return source_info_util.summarize(eqn.source_info) or "<inside JAX>"
     except Exception:  # pragma: no cover - best effort only
         return "<unknown source>"
 

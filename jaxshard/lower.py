@@ -1,6 +1,7 @@
 """Lowering: a plan becomes a program XLA partitions.
 
-The traced jaxpr is replayed, inlining call-like regions, with
+The traced jaxpr is replayed, inlining call-like regions and rebinding loops and
+branches with rewritten bodies, with
 `jax.lax.with_sharding_constraint` at the values the plan pins, and wrapped in
 `jax.jit` with in/out shardings for every argument and result leaf. Shardings live on
 an Auto-typed view of the plan's mesh, so meshes with Explicit axes (the default of
@@ -9,6 +10,7 @@ an Auto-typed view of the plan's mesh, so meshes with Explicit axes (the default
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -60,12 +62,13 @@ class Lowered:
         )
 
     def _eval(self, jaxpr: Jaxpr, consts, args, path: tuple[int, ...]) -> list[Any]:
+        """Replay ``jaxpr`` on ``args``, constraining the values the plan pins."""
         env: dict[Any, Any] = {}
         pins = self._pins
 
         def write(var, value):
             sharding = pins.get((path, var))
-            if sharding is not None and path:
+            if sharding is not None:
                 value = jax.lax.with_sharding_constraint(value, sharding)
             env[var] = value
 
@@ -75,23 +78,27 @@ class Lowered:
         for var, value in zip(jaxpr.constvars, consts):
             env[var] = value
         for var, value in zip(jaxpr.invars, args):
-            env[var] = value
+            if path:  # top-level arguments already arrive in their in_shardings
+                write(var, value)
+            else:
+                env[var] = value
         for index, eqn in enumerate(jaxpr.eqns):
             invals = [read(v) for v in eqn.invars]
             region_fn = region_fn_for(eqn.primitive)
             if eqn.primitive is hint_p:
                 outs = invals
             elif region_fn is not None:
-                outs = self._inline(eqn, region_fn(eqn), invals, path + (index,))
+                regions = region_fn(eqn)
+                if regions[0].param is None:
+                    outs = self._inline(eqn, regions, invals, path + (index,))
+                else:
+                    outs = self._rebind(eqn, regions, invals, path + (index,))
             else:
                 with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
                     outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
                 outs = outs if eqn.primitive.multiple_results else [outs]
             for var, value in zip(eqn.outvars, outs):
-                sharding = pins.get((path, var))
-                if sharding is not None:
-                    value = jax.lax.with_sharding_constraint(value, sharding)
-                env[var] = value
+                write(var, value)
         return [read(v) for v in jaxpr.outvars]
 
     def _inline(self, eqn, regions, invals, path):
@@ -106,6 +113,26 @@ class Lowered:
             if link.outer[0] == "out":
                 outs[link.outer[1]] = inner_outs[link.inner[1]]
         return outs
+
+    def _rebind(self, eqn, regions, invals, path):
+        """Bind a loop or branch again with each body rewritten to carry its constraints."""
+        params = dict(eqn.params)
+        for r, region in enumerate(regions):
+            avals = [
+                jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
+                for v in region.jaxpr.invars
+            ]
+            body = functools.partial(self._eval, region.jaxpr, region.consts, path=path + (r,))
+            closed = jax.make_jaxpr(lambda *xs, body=body: body(xs))(*avals)
+            if region.index is None:
+                params[region.param] = closed
+            else:
+                items = list(params[region.param])
+                items[region.index] = closed
+                params[region.param] = tuple(items)
+        with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
+            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+        return outs if eqn.primitive.multiple_results else [outs]
 
     def __call__(self, flat_args):
         with jax.set_mesh(self.mesh):

@@ -236,8 +236,6 @@ def make_plan(
         >>> plan.out_specs
         P('data', 'model')
     """
-    import jaxshard.rules  # noqa: F401 - registers the catalogue
-
     sizes = mesh_axis_sizes(mesh)
     with jax.set_mesh(auto_view(mesh)):  # trace as the lowered program will replay it
         traced = trace(fn, args, kwargs)

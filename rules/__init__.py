@@ -4,6 +4,34 @@ Importing this package registers every family with the engine's registry
 (`jaxshard.rule`). Adding a primitive touches only this package and its tests.
 """
 
-from jaxshard.rules import contraction, elementwise, indexing, reduction, shape, structure
+from jaxshard.rules import (
+    contraction,
+    control_flow,
+    convolution,
+    cumulative,
+    elementwise,
+    indexing,
+    misc,
+    random,
+    reduction,
+    shape,
+    sorting,
+    structure,
+    window,
+)
 
-__all__ = ["contraction", "elementwise", "indexing", "reduction", "shape", "structure"]
+__all__ = [
+    "contraction",
+    "control_flow",
+    "convolution",
+    "cumulative",
+    "elementwise",
+    "indexing",
+    "misc",
+    "random",
+    "reduction",
+    "shape",
+    "sorting",
+    "structure",
+    "window",
+]
