@@ -1,13 +1,68 @@
-"""Command line: ``python -m jaxshard rules`` lists the primitives the catalogue covers."""
+"""Command line: list covered primitives, find uncovered ones, explain a plan.
+
+``python -m jaxshard rules`` lists the primitives the catalogue covers.
+``python -m jaxshard missing examples/gpt.py:factory`` lists the primitives of a
+function that have no rule. ``python -m jaxshard explain examples/gpt.py:factory
+--mesh data=2,model=4 --hint 'batch/.*=data'`` prints the plan. A factory returns
+``(fn, args)`` or ``(fn, args, hints)``; args may be `jax.ShapeDtypeStruct`s.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import math
+import os
 import sys
 
 
+def parse_spec(text: str):
+    """A PartitionSpec from text: entries split by ``,``; ``None`` or ``-`` replicated,
+    ``?`` unconstrained, ``a*b`` several axes.
+
+    Example:
+        >>> parse_spec("None,model"), parse_spec("data*model,?")
+        (P(None, 'model'), P(('data', 'model'), UNCONSTRAINED))
+    """
+    from jax.sharding import PartitionSpec as P
+
+    entries = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        if item in ("None", "-"):
+            entries.append(None)
+        elif item == "?":
+            entries.append(P.UNCONSTRAINED)
+        elif "*" in item:
+            entries.append(tuple(item.split("*")))
+        else:
+            entries.append(item)
+    return P(*entries)
+
+
+def load_factory(target: str):
+    """Call ``path/to/file.py:name`` or ``package.module:name`` and return its result.
+
+    Example:
+        >>> fn, args, hints = load_factory("examples/gpt.py:factory")  # doctest: +SKIP
+    """
+    where, _, name = target.rpartition(":")
+    if not where:
+        raise SystemExit(f"jaxshard: expected MODULE:FACTORY, got {target!r}")
+    if where.endswith(".py") or os.path.sep in where:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+        spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    result = getattr(module, name)()
+    fn, args, hints = (*result, {})[:3] if len(result) == 2 else result
+    return fn, tuple(args), dict(hints)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m jaxshard``.
+    """Entry point of ``python -m jaxshard`` and the ``jaxshard`` console script.
 
     Example:
         >>> main(["rules"])  # doctest: +ELLIPSIS
@@ -18,12 +73,41 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxshard", description="jaxshard tools")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("rules", help="list the primitives that have sharding rules")
+    for command, text in (("missing", "list a function's primitives without a rule"), ("explain", "print a plan")):
+        p = sub.add_parser(command, help=text)
+        p.add_argument("target", help="MODULE:FACTORY returning (fn, args) or (fn, args, hints)")
+        p.add_argument("--mesh", default="data=2,model=4", help="axes and sizes, e.g. data=2,model=4")
+        p.add_argument("--hint", action="append", default=[], help="REGEX=SPEC, e.g. 'batch/.*=data'")
     args = parser.parse_args(argv)
     if args.command == "rules":
-        import jaxshard.rules  # noqa: F401 - registers the catalogue
         from jaxshard.rule import covered_primitives
 
         print("\n".join(covered_primitives()))
+        return 0
+    axes = [item.split("=") for item in args.mesh.split(",")]
+    names, sizes = tuple(a for a, _ in axes), tuple(int(n) for _, n in axes)
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={math.prod(sizes)}"
+        )
+    import jax
+
+    from jaxshard.graph import build_graph
+    from jaxshard.plan import make_plan
+    from jaxshard.trace import trace
+
+    fn, fn_args, hints = load_factory(args.target)
+    for item in args.hint:
+        key, _, spec = item.rpartition("=")
+        hints[key] = parse_spec(spec)
+    mesh = jax.make_mesh(sizes, names)
+    if args.command == "missing":
+        graph = build_graph(trace(fn, fn_args, {}), dict(zip(names, sizes)))
+        for prim, line in sorted(graph.unknown.items()):
+            print(f"{prim}\t{line}")
+        print(f"{len(graph.unknown)} primitive(s) without a rule", file=sys.stderr)
+        return 0
+    print(make_plan(fn, fn_args, {}, mesh, hints).explain())
     return 0
 
 

@@ -26,14 +26,15 @@ from jaxshard.trace import Traced
 Path = tuple[int, ...]  # equation indices from the top jaxpr down to a nested jaxpr
 
 
-def source_line(eqn: JaxprEqn) -> str:
-    """The user source line an equation came from, e.g. ``model.py:42 (attention)``."""
+def source_line(eqn: JaxprEqn, enclosing: str = "<inside JAX>") -> str:
+    """The user source line an equation came from, e.g. ``model.py:42 (attention)``; for
+    an equation JAX made inside its own functions, the line of the enclosing call."""
     try:
         from jax._src import source_info_util  # no public API for this yet
 
-        return source_info_util.summarize(eqn.source_info) or "<inside JAX>"
+        return source_info_util.summarize(eqn.source_info) or enclosing
     except Exception:  # pragma: no cover - best effort only
-        return "<unknown source>"
+        return enclosing
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,13 @@ class App:
     results: tuple[int, ...]
     kind: str  # "eqn" | "link" | "tie"
     eqn: JaxprEqn | None = None
+    line: str = ""
 
     def describe(self) -> str:
         """Primitive and source line (or the link kind), for explanations."""
         if self.eqn is None:
             return self.kind
-        return f"{self.eqn.primitive.name} at {source_line(self.eqn)}"
+        return f"{self.eqn.primitive.name} at {self.line or source_line(self.eqn)}"
 
 
 @dataclass
@@ -119,7 +121,9 @@ def build_graph(traced: Traced, axis_sizes: Mapping[str, int]) -> Graph:
     return g
 
 
-def _build(g: Graph, jaxpr: Jaxpr, in_vids: Sequence[int], path: Path, axis_sizes) -> list[int]:
+def _build(
+    g: Graph, jaxpr: Jaxpr, in_vids: Sequence[int], path: Path, axis_sizes, enclosing: str = "<inside JAX>"
+) -> list[int]:
     env: dict[Any, int] = {}
 
     def bind(var: Any, vid: int) -> None:
@@ -145,28 +149,29 @@ def _build(g: Graph, jaxpr: Jaxpr, in_vids: Sequence[int], path: Path, axis_size
             bind(eqn.outvars[0], vid)
             continue
         region_fn = region_fn_for(eqn.primitive)
+        line = source_line(eqn, enclosing)
         if region_fn is not None:
-            _build_regions(g, eqn, region_fn(eqn), operands, path + (index,), axis_sizes, bind)
+            _build_regions(g, eqn, region_fn(eqn), operands, path + (index,), axis_sizes, bind, line)
             continue
         results = [g.new_value(v.aval) for v in eqn.outvars]
         for var, vid in zip(eqn.outvars, results):
             bind(var, vid)
         rule_fn = rule_fn_for(eqn.primitive)
         if rule_fn is None:
-            g.unknown.setdefault(eqn.primitive.name, source_line(eqn))
+            g.unknown.setdefault(eqn.primitive.name, line)
             continue
         rule = rule_fn(eqn)
         rule.check(
             shapes_of(eqn.invars),
             shapes_of(eqn.outvars),
-            f"{eqn.primitive.name} at {source_line(eqn)}",
+            f"{eqn.primitive.name} at {line}",
         )
-        g.apps.append(App(rule, tuple(operands), tuple(results), "eqn", eqn))
+        g.apps.append(App(rule, tuple(operands), tuple(results), "eqn", eqn, line))
     return [read(v) for v in jaxpr.outvars]
 
 
 def _build_regions(
-    g: Graph, eqn: JaxprEqn, regions, operands, path: Path, axis_sizes, bind
+    g: Graph, eqn: JaxprEqn, regions, operands, path: Path, axis_sizes, bind, line: str
 ) -> None:
     results: list[int | None] = [None] * len(eqn.outvars)
     pending: list[tuple[int, int, Rule | None]] = []  # (outer result, inner vid, rule)
@@ -179,7 +184,7 @@ def _build_regions(
             vid if vid is not None else g.new_value(var.aval)
             for vid, var in zip(inner_in, region.jaxpr.invars)
         ]
-        inner_out = _build(g, region.jaxpr, inner_in_vids, path + (r,), axis_sizes)
+        inner_out = _build(g, region.jaxpr, inner_in_vids, path + (r,), axis_sizes, line)
         inner = {"in": inner_in_vids, "out": inner_out}
         for link in region.links:
             kind, i = link.outer
@@ -187,7 +192,7 @@ def _build_regions(
             if kind == "in":
                 if link.rule is not None or link.inner[0] != "in":
                     rule = link.rule or identity_rule(g.shapes[operands[i]])
-                    g.apps.append(App(rule, (operands[i],), (vid,), "link", eqn))
+                    g.apps.append(App(rule, (operands[i],), (vid,), "link", eqn, line))
             elif link.rule is None and results[i] is None:
                 results[i] = vid
             else:
@@ -197,7 +202,7 @@ def _build_regions(
             for other in vids[1:]:
                 if other != vids[0]:
                     g.apps.append(
-                        App(identity_rule(g.shapes[vids[0]]), (vids[0],), (other,), "link", eqn)
+                        App(identity_rule(g.shapes[vids[0]]), (vids[0],), (other,), "link", eqn, line)
                     )
     for i, var in enumerate(eqn.outvars):
         if results[i] is None:
@@ -206,7 +211,7 @@ def _build_regions(
     for i, vid, rule in pending:
         if vid != results[i]:
             rule = rule or identity_rule(g.shapes[results[i]])
-            g.apps.append(App(rule, (results[i],), (vid,), "link", eqn))
+            g.apps.append(App(rule, (results[i],), (vid,), "link", eqn, line))
 
 
 def tied_results(traced: Traced) -> list[tuple[int, int]]:

@@ -1,0 +1,63 @@
+"""The command line, and planning across a primitive that has no rule."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxshard
+from jaxshard.__main__ import main, parse_spec
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def uncovered_factory():
+    """A function with a primitive the catalogue does not cover (cholesky)."""
+
+    def f(a, x):
+        return jnp.linalg.cholesky(a @ a.T + 4 * jnp.eye(4)) @ x
+
+    return f, (jax.ShapeDtypeStruct((4, 4), jnp.float32), jax.ShapeDtypeStruct((4, 8), jnp.float32))
+
+
+def test_rules_lists_covered_primitives(capsys):
+    assert main(["rules"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert {"dot_general", "reshape", "scan", "gather", "scatter-add"} <= set(listed)
+
+
+def test_missing_reports_uncovered_primitives(capsys):
+    with pytest.warns(jaxshard.JaxshardWarning):
+        assert main(["missing", os.path.join(HERE, "test_cli.py:uncovered_factory")]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("cholesky\t") and "test_cli.py" in out.out
+    assert "1 primitive(s) without a rule" in out.err
+
+
+def test_missing_on_the_gpt_example_finds_none(capsys):
+    assert main(["missing", os.path.join(ROOT, "examples", "gpt.py:factory")]) == 0
+    assert "0 primitive(s) without a rule" in capsys.readouterr().err
+
+
+def test_explain_prints_the_plan(capsys):
+    target = os.path.join(ROOT, "examples", "mlp.py:factory")
+    assert main(["explain", target, "--mesh", "data=2,model=4", "--hint", "batch/.*=data"]) == 0
+    out = capsys.readouterr().out
+    assert "params/layers/1/w" in out and "P('model',)" in out
+
+
+def test_unknown_primitive_warns_once_and_is_a_boundary(mesh):
+    f, args = uncovered_factory()
+    with pytest.warns(jaxshard.JaxshardWarning, match=r"no sharding rule for: cholesky \(first at .*test_cli.py"):
+        plan = jaxshard.make_plan(f, args, {}, mesh, {"x": P(None, "model")})
+    assert plan.in_specs == (P(), P(None, "model"))
+    assert plan.out_specs == P(None, "model")
+
+
+@pytest.mark.parametrize("text, spec", [("data", P("data")), ("None,model", P(None, "model")),
+                                        ("data*model,?", P(("data", "model"), P.UNCONSTRAINED))])
+def test_parse_spec(text, spec):
+    assert parse_spec(text) == spec
