@@ -4,7 +4,7 @@ A jaxpr is flattened into values (one per variable per call site, nested jaxprs
 inlined) and *applications* (a rule over operand and result values). Higher-order
 equations contribute their inner jaxprs through the regions the catalogue registers:
 identity links alias inner values to outer ones, other links become rule applications.
-`hint()` equations become pins. An equation whose primitive has no rule is kept as a
+`hint()` equations and boundaries (`shard_map`) become pins. An equation whose primitive has no rule is kept as a
 boundary: nothing propagates across it, and one warning names it.
 """
 
@@ -18,9 +18,16 @@ from typing import Any
 import jax
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
-from jaxshard.annotate import Pin, hint_p, pin_from_spec
+from jaxshard.annotate import Pin, hint_p, merge_pins, pin_from_spec
 from jaxshard.errors import JaxshardWarning
-from jaxshard.rule import Rule, identity_rule, region_fn_for, rule_fn_for, shapes_of
+from jaxshard.rule import (
+    Rule,
+    boundary_fn_for,
+    identity_rule,
+    region_fn_for,
+    rule_fn_for,
+    shapes_of,
+)
 from jaxshard.trace import Traced
 
 Path = tuple[int, ...]  # equation indices from the top jaxpr down to a nested jaxpr
@@ -145,7 +152,7 @@ def _build(
             vid = operands[0]
             where = f"jaxshard.hint at {source_line(eqn)}"
             pin = pin_from_spec(eqn.params["spec"], g.shapes[vid], axis_sizes, where, "the hint")
-            g.pins[vid] = pin
+            g.pins[vid] = merge_pins(g.pins[vid], pin, where) if vid in g.pins else pin
             bind(eqn.outvars[0], vid)
             continue
         region_fn = region_fn_for(eqn.primitive)
@@ -156,6 +163,10 @@ def _build(
         results = [g.new_value(v.aval) for v in eqn.outvars]
         for var, vid in zip(eqn.outvars, results):
             bind(var, vid)
+        boundary_fn = boundary_fn_for(eqn.primitive)
+        if boundary_fn is not None:
+            _pin_boundary(g, eqn, boundary_fn(eqn), operands, results, line, axis_sizes)
+            continue
         rule_fn = rule_fn_for(eqn.primitive)
         if rule_fn is None:
             g.unknown.setdefault(eqn.primitive.name, line)
@@ -168,6 +179,15 @@ def _build(
         )
         g.apps.append(App(rule, tuple(operands), tuple(results), "eqn", eqn, line))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _pin_boundary(g: Graph, eqn, specs, operands, results, line: str, axis_sizes) -> None:
+    source = f"{eqn.primitive.name} at {line}"
+    for kind, vids, spec_list in (("operand", operands, specs[0]), ("result", results, specs[1])):
+        for i, (vid, spec) in enumerate(zip(vids, spec_list)):
+            pin = pin_from_spec(spec, g.shapes[vid], axis_sizes, f"{source}, {kind} {i}", "its spec")
+            pin = Pin(pin.dims, source)
+            g.pins[vid] = merge_pins(g.pins[vid], pin, f"{source}, {kind} {i}") if vid in g.pins else pin
 
 
 def _build_regions(

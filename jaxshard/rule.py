@@ -266,9 +266,12 @@ class Region:
 
 RuleFn = Callable[[JaxprEqn], Rule]
 RegionFn = Callable[[JaxprEqn], list[Region]]
+# a boundary's fixed layouts: per operand and per result, a full PartitionSpec
+BoundaryFn = Callable[[JaxprEqn], tuple[list[Any], list[Any]]]
 
 _RULES: dict[Primitive, RuleFn] = {}
 _REGIONS: dict[Primitive, RegionFn] = {}
+_BOUNDARIES: dict[Primitive, BoundaryFn] = {}
 
 
 def register_rule(*primitives: Primitive) -> Callable[[RuleFn], RuleFn]:
@@ -299,6 +302,24 @@ def register_region(*primitives: Primitive) -> Callable[[RegionFn], RegionFn]:
     return deco
 
 
+def register_boundary(*primitives: Primitive) -> Callable[[BoundaryFn], BoundaryFn]:
+    """Register ``fn(eqn) -> (operand specs, result specs)`` for primitives whose
+    operands and results have fixed layouts and whose inside is not planned (e.g.
+    `shard_map`: the body is manual). Nothing propagates across them."""
+
+    def deco(fn: BoundaryFn) -> BoundaryFn:
+        for prim in primitives:
+            _BOUNDARIES[prim] = fn
+        return fn
+
+    return deco
+
+
+def boundary_fn_for(primitive: Primitive) -> BoundaryFn | None:
+    """The registered boundary function of a primitive, or None."""
+    return _BOUNDARIES.get(primitive)
+
+
 def rule_fn_for(primitive: Primitive) -> RuleFn | None:
     """The registered rule function of a primitive, or None."""
     return _RULES.get(primitive)
@@ -317,7 +338,7 @@ def covered_primitives() -> list[str]:
         >>> "dot_general" in covered_primitives()
         True
     """
-    return sorted({p.name for p in _RULES} | {p.name for p in _REGIONS})
+    return sorted({p.name for p in (*_RULES, *_REGIONS, *_BOUNDARIES)})
 
 
 def primitive(name: str) -> Primitive:
@@ -332,9 +353,10 @@ def primitive(name: str) -> Primitive:
 
     found = getattr(primitives, f"{name}_p", None) or getattr(jax.lax, f"{name}_p", None)
     if found is None:
-        from jax._src.lax import lax as lax_internal  # e.g. split_p is not public yet
+        from jax._src import shard_map  # shard_map_p is not public yet
+        from jax._src.lax import lax as lax_internal  # nor split_p
 
-        found = getattr(lax_internal, f"{name}_p", None)
+        found = getattr(lax_internal, f"{name}_p", None) or getattr(shard_map, f"{name}_p", None)
     if found is None:
         raise JaxshardBug(f"primitive {name!r} not found in this JAX version")
     return found

@@ -3,7 +3,9 @@
 `jit` (pjit), `closed_call`, `remat`/`checkpoint`, `custom_jvp_call` and
 `custom_vjp_call` call one inner jaxpr on the equation's operands: each operand is the
 inner input of the same position (after the constants) and each result the inner output.
-The links are identities, so the engine inlines them.
+The links are identities, so the engine inlines them. `shard_map` is a boundary: its
+in/out specs are fixed layouts of its operands and results, and its manual body is not
+planned.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 
-from jaxshard.rule import Link, Region, register_region
+from jax.sharding import PartitionSpec
+
+from jaxshard.rule import Link, Region, primitive, register_boundary, register_region
 
 
 def call_region(eqn: JaxprEqn) -> list[Region]:
@@ -34,3 +38,26 @@ def call_region(eqn: JaxprEqn) -> list[Region]:
 register_region(p.jit_p, p.closed_call_p, p.remat_p, p.custom_jvp_call_p, p.custom_vjp_call_p)(
     call_region
 )
+
+
+@register_boundary(primitive("shard_map"))
+def shard_map_boundary(eqn: JaxprEqn) -> tuple[list[PartitionSpec], list[PartitionSpec]]:
+    """The specs `shard_map` was given; dims they leave out are replicated.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P, AxisType
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+        >>> f = jax.shard_map(lambda a: a * 2, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+        >>> eqn = jax.make_jaxpr(f)(jnp.ones((8, 4))).eqns[0]
+        >>> shard_map_boundary(eqn)
+        ([P('data', None)], [P('data', None)])
+    """
+
+    def full(spec, var):
+        entries = list(spec) + [None] * (len(var.aval.shape) - len(spec))
+        return PartitionSpec(*entries)
+
+    ins = [full(s, v) for s, v in zip(eqn.params["in_specs"], eqn.invars)]
+    outs = [full(s, v) for s, v in zip(eqn.params["out_specs"], eqn.outvars)]
+    return ins, outs

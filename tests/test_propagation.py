@@ -104,3 +104,22 @@ def test_reshape_propagates_through_compound_dims(mesh, shape, spec):
         assert plan.out_specs == P()
         (r,) = plan.reshards
         assert r.collectives == ("all-gather over model",)
+
+
+def test_shard_map_specs_are_fixed_annotations(mesh):
+    inner = jax.shard_map(lambda a: a * 2, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+
+    def f(x, w):
+        return inner(x @ w)
+
+    plan = make_plan(f, (X, W1), {}, mesh)
+    assert plan.in_specs == (P("data"), P())
+    step = jaxshard.auto_shard(mesh)(f)
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 32))
+    np.testing.assert_allclose(step(x, w), f(x, w), rtol=1e-6)
+
+
+def test_shard_map_disagreeing_with_a_hint_is_an_error(mesh):
+    inner = jax.shard_map(lambda a: a * 2, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    with pytest.raises(jaxshard.ShardingError, match=r"shard_map at .*test_propagation.py.* disagree on dim 0"):
+        make_plan(lambda x: jaxshard.hint(inner(x), P("model")), (X,), {}, mesh)
