@@ -124,7 +124,11 @@ class Lowered:
             ]
             body = functools.partial(self._eval, region.jaxpr, region.consts, path=path + (r,))
             closed = jax.make_jaxpr(lambda *xs, body=body: body(xs))(*avals)
-            if region.index is None:
+            if not hasattr(params[region.param], "consts"):  # an open jaxpr (remat)
+                if closed.consts:
+                    return self._inline(eqn, regions, invals, path)
+                params[region.param] = closed.jaxpr
+            elif region.index is None:
                 params[region.param] = closed
             else:
                 items = list(params[region.param])

@@ -2,8 +2,9 @@
 
 `jit` (pjit), `closed_call`, `remat`/`checkpoint`, `custom_jvp_call` and
 `custom_vjp_call` call one inner jaxpr on the equation's operands: each operand is the
-inner input of the same position (after the constants) and each result the inner output.
-The links are identities, so the engine inlines them. `shard_map` is a boundary: its
+inner input of the same position and each result the inner output. The links are
+identities, so the engine inlines them; lowering inlines calls too, except `remat`,
+whose body it rewrites so XLA still rematerializes it. `shard_map` is a boundary: its
 in/out specs are fixed layouts of its operands and results, and its manual body is not
 planned.
 """
