@@ -73,11 +73,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxshard", description="jaxshard tools")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("rules", help="list the primitives that have sharding rules")
-    for command, text in (("missing", "list a function's primitives without a rule"), ("explain", "print a plan")):
+    for command, text in (
+        ("missing", "list a function's primitives without a rule"),
+        ("explain", "print a plan"),
+    ):
         p = sub.add_parser(command, help=text)
         p.add_argument("target", help="MODULE:FACTORY returning (fn, args) or (fn, args, hints)")
-        p.add_argument("--mesh", default="data=2,model=4", help="axes and sizes, e.g. data=2,model=4")
-        p.add_argument("--hint", action="append", default=[], help="REGEX=SPEC, e.g. 'batch/.*=data'")
+        p.add_argument(
+            "--mesh", default="data=2,model=4", help="axes and sizes, e.g. data=2,model=4"
+        )
+        p.add_argument(
+            "--hint", action="append", default=[], help="REGEX=SPEC, e.g. 'batch/.*=data'"
+        )
     args = parser.parse_args(argv)
     if args.command == "rules":
         from jaxshard.rule import covered_primitives
@@ -88,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     names, sizes = tuple(a for a, _ in axes), tuple(int(n) for _, n in axes)
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={math.prod(sizes)}"
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={math.prod(sizes)}"
         )
     import jax
 

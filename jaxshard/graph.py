@@ -129,7 +129,12 @@ def build_graph(traced: Traced, axis_sizes: Mapping[str, int]) -> Graph:
 
 
 def _build(
-    g: Graph, jaxpr: Jaxpr, in_vids: Sequence[int], path: Path, axis_sizes, enclosing: str = "<inside JAX>"
+    g: Graph,
+    jaxpr: Jaxpr,
+    in_vids: Sequence[int],
+    path: Path,
+    axis_sizes,
+    enclosing: str = "<inside JAX>",
 ) -> list[int]:
     env: dict[Any, int] = {}
 
@@ -158,7 +163,9 @@ def _build(
         region_fn = region_fn_for(eqn.primitive)
         line = source_line(eqn, enclosing)
         if region_fn is not None:
-            _build_regions(g, eqn, region_fn(eqn), operands, path + (index,), axis_sizes, bind, line)
+            _build_regions(
+                g, eqn, region_fn(eqn), operands, path + (index,), axis_sizes, bind, line
+            )
             continue
         results = [g.new_value(v.aval) for v in eqn.outvars]
         for var, vid in zip(eqn.outvars, results):
@@ -185,9 +192,13 @@ def _pin_boundary(g: Graph, eqn, specs, operands, results, line: str, axis_sizes
     source = f"{eqn.primitive.name} at {line}"
     for kind, vids, spec_list in (("operand", operands, specs[0]), ("result", results, specs[1])):
         for i, (vid, spec) in enumerate(zip(vids, spec_list)):
-            pin = pin_from_spec(spec, g.shapes[vid], axis_sizes, f"{source}, {kind} {i}", "its spec")
+            pin = pin_from_spec(
+                spec, g.shapes[vid], axis_sizes, f"{source}, {kind} {i}", "its spec"
+            )
             pin = Pin(pin.dims, source)
-            g.pins[vid] = merge_pins(g.pins[vid], pin, f"{source}, {kind} {i}") if vid in g.pins else pin
+            g.pins[vid] = (
+                merge_pins(g.pins[vid], pin, f"{source}, {kind} {i}") if vid in g.pins else pin
+            )
 
 
 def _build_regions(
@@ -222,7 +233,14 @@ def _build_regions(
             for other in vids[1:]:
                 if other != vids[0]:
                     g.apps.append(
-                        App(identity_rule(g.shapes[vids[0]]), (vids[0],), (other,), "link", eqn, line)
+                        App(
+                            identity_rule(g.shapes[vids[0]]),
+                            (vids[0],),
+                            (other,),
+                            "link",
+                            eqn,
+                            line,
+                        )
                     )
     for i, var in enumerate(eqn.outvars):
         if results[i] is None:

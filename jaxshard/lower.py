@@ -119,7 +119,9 @@ class Lowered:
         params = dict(eqn.params)
         for r, region in enumerate(regions):
             avals = [
-                jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
+                jax.ShapeDtypeStruct(
+                    v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False)
+                )
                 for v in region.jaxpr.invars
             ]
             body = functools.partial(self._eval, region.jaxpr, region.consts, path=path + (r,))

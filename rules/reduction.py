@@ -1,9 +1,10 @@
 """Reductions over some dims: `reduce_sum/max/min/prod/and/or/xor`, `argmax/argmin`.
 
 Kept dims pass through. A reduced dim is a reduction factor when partial results
-combine by the same reduction across devices (sum, max, min, prod, and, or, xor); for
-`argmax`/`argmin` a local index is meaningless globally, so the reduced dim is
-need-replication.
+combine by the same reduction across devices and XLA can emit that all-reduce (sum, max,
+min, prod; and/or on booleans); bitwise and/or/xor on integers and xor on booleans have
+no collective combiner, and for `argmax`/`argmin` a local index is meaningless
+globally, so those reduced dims are need-replication.
 """
 
 from __future__ import annotations
@@ -13,15 +14,7 @@ from jax.extend.core import primitives as p
 
 from jaxshard.rule import FactorKind, Rule, RuleBuilder, register_rule
 
-_COMBINABLE = [
-    p.reduce_sum_p,
-    p.reduce_max_p,
-    p.reduce_min_p,
-    p.reduce_prod_p,
-    p.reduce_and_p,
-    p.reduce_or_p,
-    p.reduce_xor_p,
-]
+_COMBINABLE = [p.reduce_sum_p, p.reduce_max_p, p.reduce_min_p, p.reduce_prod_p]
 
 
 def reduce_rule(eqn: JaxprEqn, kind: FactorKind = FactorKind.REDUCTION) -> Rule:
@@ -49,7 +42,21 @@ def reduce_rule(eqn: JaxprEqn, kind: FactorKind = FactorKind.REDUCTION) -> Rule:
 register_rule(*_COMBINABLE)(reduce_rule)
 
 
-@register_rule(p.argmax_p, p.argmin_p)
+@register_rule(p.argmax_p, p.argmin_p, p.reduce_xor_p)
 def arg_reduce_rule(eqn: JaxprEqn) -> Rule:
     """Like `reduce_rule`, but the reduced dim is need-replication."""
     return reduce_rule(eqn, FactorKind.NEED_REPLICATION)
+
+
+@register_rule(p.reduce_and_p, p.reduce_or_p)
+def logical_reduce_rule(eqn: JaxprEqn) -> Rule:
+    """A reduction on booleans (all-reduce and/or exists); need-replication on integers.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> eqn = jax.make_jaxpr(lambda x: x.any(1))(jnp.ones((4, 8), bool)).eqns[0]
+        >>> print(logical_reduce_rule(eqn))
+        ([a, b])->([a]) reduction={b} {a=4, b=8}
+    """
+    boolean = eqn.invars[0].aval.dtype == bool
+    return reduce_rule(eqn, FactorKind.REDUCTION if boolean else FactorKind.NEED_REPLICATION)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
-
 from jax.sharding import PartitionSpec
 
 from jaxshard.rule import Link, Region, primitive, register_boundary, register_region

@@ -51,13 +51,21 @@ def test_explain_prints_the_plan(capsys):
 
 def test_unknown_primitive_warns_once_and_is_a_boundary(mesh):
     f, args = uncovered_factory()
-    with pytest.warns(jaxshard.JaxshardWarning, match=r"no sharding rule for: cholesky \(first at .*test_cli.py"):
+    with pytest.warns(
+        jaxshard.JaxshardWarning, match=r"no sharding rule for: cholesky \(first at .*test_cli.py"
+    ):
         plan = jaxshard.make_plan(f, args, {}, mesh, {"x": P(None, "model")})
     assert plan.in_specs == (P(), P(None, "model"))
     assert plan.out_specs == P(None, "model")
 
 
-@pytest.mark.parametrize("text, spec", [("data", P("data")), ("None,model", P(None, "model")),
-                                        ("data*model,?", P(("data", "model"), P.UNCONSTRAINED))])
+@pytest.mark.parametrize(
+    "text, spec",
+    [
+        ("data", P("data")),
+        ("None,model", P(None, "model")),
+        ("data*model,?", P(("data", "model"), P.UNCONSTRAINED)),
+    ],
+)
 def test_parse_spec(text, spec):
     assert parse_spec(text) == spec

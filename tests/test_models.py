@@ -34,8 +34,11 @@ def test_every_primitive_has_a_rule(mesh, name):
     assert graph.unknown == {}
 
 
-LLAMA_HINTS = {r"batch/.*": P("data"), r"params/layers/wq": P(None, None, "model"),
-               r"params/layers/w_gate": P(None, None, "model")}
+LLAMA_HINTS = {
+    r"batch/.*": P("data"),
+    r"params/layers/wq": P(None, None, "model"),
+    r"params/layers/w_gate": P(None, None, "model"),
+}
 
 
 @pytest.fixture(scope="module")

@@ -121,5 +121,7 @@ def test_shard_map_specs_are_fixed_annotations(mesh):
 
 def test_shard_map_disagreeing_with_a_hint_is_an_error(mesh):
     inner = jax.shard_map(lambda a: a * 2, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
-    with pytest.raises(jaxshard.ShardingError, match=r"shard_map at .*test_propagation.py.* disagree on dim 0"):
+    with pytest.raises(
+        jaxshard.ShardingError, match=r"shard_map at .*test_propagation.py.* disagree on dim 0"
+    ):
         make_plan(lambda x: jaxshard.hint(inner(x), P("model")), (X,), {}, mesh)
