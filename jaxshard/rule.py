@@ -33,16 +33,19 @@ class FactorKind(enum.Enum):
 
 @dataclass(frozen=True)
 class Factor:
-    """One named factor of a rule: its size and kind.
+    """One named factor of a rule: its size, kind, and for a reduction how the partial
+    results on different devices combine (``sum``, ``max``, ``min``, ``prod``, ``and``,
+    ``or``).
 
     Example:
         >>> Factor("k", 64, FactorKind.REDUCTION)
-        Factor(name='k', size=64, kind=<FactorKind.REDUCTION: 'reduction'>)
+        Factor(name='k', size=64, kind=<FactorKind.REDUCTION: 'reduction'>, combine='sum')
     """
 
     name: str
     size: int
     kind: FactorKind = FactorKind.PASS
+    combine: str = "sum"
 
 
 Dims = tuple[tuple[int, ...], ...]  # per dim: factor indices, major to minor
@@ -71,7 +74,12 @@ class Rule:
         text = "(" + ", ".join(dims(o) for o in self.operands) + ")->("
         text += ", ".join(dims(r) for r in self.results) + ")"
         for kind in (FactorKind.REDUCTION, FactorKind.NEED_REPLICATION):
-            names = [f.name for f in self.factors if f.kind is kind]
+            names = [
+                f.name
+                + (f":{f.combine}" if kind is FactorKind.REDUCTION and f.combine != "sum" else "")
+                for f in self.factors
+                if f.kind is kind
+            ]
             if names:
                 text += f" {kind.value}={{{', '.join(names)}}}"
         return text + " {" + ", ".join(f"{f.name}={f.size}" for f in self.factors) + "}"
@@ -125,10 +133,11 @@ class RuleBuilder:
         size: int = 1,
         kind: FactorKind = FactorKind.PASS,
         name: str | None = None,
+        combine: str = "sum",
     ) -> int:
         """Add a factor living in the given dims (appended as their minor-most factor)."""
         index = len(self._factors)
-        self._factors.append(Factor(name or _factor_name(index), size, kind))
+        self._factors.append(Factor(name or _factor_name(index), size, kind, combine))
         for operand, dim in operand_dims.items():
             self._operands[operand][dim].append(index)
         for result, dim in result_dims.items():

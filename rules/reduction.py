@@ -17,8 +17,18 @@ from jaxshard.rule import FactorKind, Rule, RuleBuilder, register_rule
 _COMBINABLE = [p.reduce_sum_p, p.reduce_max_p, p.reduce_min_p, p.reduce_prod_p]
 
 
+_COMBINE = {
+    p.reduce_sum_p: "sum",
+    p.reduce_max_p: "max",
+    p.reduce_min_p: "min",
+    p.reduce_prod_p: "prod",
+    p.reduce_and_p: "and",
+    p.reduce_or_p: "or",
+}
+
+
 def reduce_rule(eqn: JaxprEqn, kind: FactorKind = FactorKind.REDUCTION) -> Rule:
-    """Kept dims pass through; reduced dims get ``kind``.
+    """Kept dims pass through; reduced dims get ``kind`` (combined like the reduction).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -32,7 +42,7 @@ def reduce_rule(eqn: JaxprEqn, kind: FactorKind = FactorKind.REDUCTION) -> Rule:
     out = 0
     for d, size in enumerate(shape):
         if d in axes:
-            b.add_factor({0: d}, {}, size, kind)
+            b.add_factor({0: d}, {}, size, kind, combine=_COMBINE.get(eqn.primitive, "sum"))
         else:
             b.add_factor({0: d}, {0: out}, size)
             out += 1
@@ -56,7 +66,7 @@ def logical_reduce_rule(eqn: JaxprEqn) -> Rule:
         >>> import jax, jax.numpy as jnp
         >>> eqn = jax.make_jaxpr(lambda x: x.any(1))(jnp.ones((4, 8), bool)).eqns[0]
         >>> print(logical_reduce_rule(eqn))
-        ([a, b])->([a]) reduction={b} {a=4, b=8}
+        ([a, b])->([a]) reduction={b:or} {a=4, b=8}
     """
     boolean = eqn.invars[0].aval.dtype == bool
     return reduce_rule(eqn, FactorKind.REDUCTION if boolean else FactorKind.NEED_REPLICATION)

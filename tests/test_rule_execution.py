@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import jaxshard.rules  # noqa: F401 - registers the catalogue
 import numpy as np
 import pytest
@@ -260,6 +261,8 @@ def test_rule_executes_sharded(case: Case, mesh2) -> None:
     assert len(actual) == len(expected), f"{where}: {len(actual)} results, expected {len(expected)}"
     for i, (a, e) in enumerate(zip(actual, expected)):
         _assert_same(a, e, f"{where}: result {i} differs from the unsharded run")
+    if factor.kind is FactorKind.REDUCTION:
+        _check_declared_combination(case, invals, expected, positions, in_shardings, mesh2, where)
     if factor.kind is FactorKind.PASS:
         text = compiled.as_text()
         collectives = hlo_collectives(text)
@@ -270,6 +273,53 @@ def test_rule_executes_sharded(case: Case, mesh2) -> None:
             f"{where}: communication-free factor produced a collective: {dict(collectives)}; "
             f"in specs {[s.spec for s in in_shardings]}, out specs "
             f"{[s.spec for s in out_shardings]}"
+        )
+
+
+_COMBINERS = {
+    "sum": lambda x: jax.lax.psum(x, AXIS),
+    "max": lambda x: jax.lax.pmax(x, AXIS),
+    "min": lambda x: jax.lax.pmin(x, AXIS),
+    "prod": lambda x: jnp.prod(jax.lax.all_gather(x, AXIS), axis=0),
+    "and": lambda x: jax.lax.pmin(x.astype(jnp.int32), AXIS).astype(x.dtype),
+    "or": lambda x: jax.lax.pmax(x.astype(jnp.int32), AXIS).astype(x.dtype),
+}
+
+
+def _check_declared_combination(
+    case, invals, expected, positions, in_shardings, mesh2, where
+) -> None:
+    """EasyDist's check: run the equation on each device's shards (shard_map), combine the
+    partial results the way the rule declares, and compare with the global result.
+
+    An operand without the reduced factor that has the result's shape (scatter-add's base)
+    is an addend every device holds; under a sum it must count once, so it is kept on
+    device 0 and zeroed elsewhere (a partial value).
+    """
+    eqn, rule, f = case.eqn, case.rule, case.factor
+    combine = rule.factors[f].combine
+
+    def local(*ops):
+        vals = list(invals)
+        first = jax.lax.axis_index(AXIS) == 0
+        for i, op in zip(positions, ops):
+            has_f = any(f in d for d in rule.operands[i])
+            addend = np.shape(op) == tuple(eqn.outvars[0].aval.shape) and np.ndim(op) > 0
+            if combine == "sum" and not has_f and addend:
+                op = jnp.where(first, op, jnp.zeros_like(op))
+            vals[i] = op
+        return tuple(_COMBINERS[combine](r) for r in bind(eqn, vals))
+
+    out_specs = tuple(P() for _ in rule.results)
+    in_specs = tuple(s.spec for s in in_shardings)
+    mapped = jax.shard_map(local, mesh=mesh2, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    ops = [jax.device_put(invals[i], s) for i, s in zip(positions, in_shardings)]
+    combined = jax.jit(mapped)(*ops)
+    for i, (a, e) in enumerate(zip(combined, expected)):
+        _assert_same(
+            a,
+            e,
+            f"{where}: combining per-device results by {combine} differs from the global result {i}",
         )
 
 

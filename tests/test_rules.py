@@ -50,7 +50,7 @@ CASES = [
         lambda a: a.max(1),
         (x8x4,),
         "reduce_max",
-        "([a, b])->([a]) reduction={b} {a=8, b=4}",
+        "([a, b])->([a]) reduction={b:max} {a=8, b=4}",
     ),
     (
         "argmax",
