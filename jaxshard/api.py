@@ -1,67 +1,237 @@
 """The public entry point: `auto_shard`, a `jax.jit`-like wrapper that plans, then runs.
 
-A wrapped function plans once per argument structure (tree, shapes, dtypes), caches the
-plan and its compiled program, and on every call places the arguments in their planned
-layout, runs the program, and returns the results in their planned layout (on the
-caller's mesh, Explicit axes included).
+A wrapped function plans once per call signature, keyed like `jax.jit`'s cache: the
+tree structure of the arguments, their shapes, dtypes and weak types, and the values of
+the static arguments (the mesh is fixed per wrapper). It caches the plan and its compiled
+program, so a second call traces nothing and plans nothing; on every call it places the
+arguments in their planned layout, runs the program, and returns the results in their
+planned layout (on the caller's mesh, Explicit axes included).
+
+Static arguments (``static_argnums``/``static_argnames``) are closed over, not traced;
+the other arguments keep their names from the signature. Donation
+(``donate_argnums``/``donate_argnames``, or ``donate_state=True`` for every argument whose
+new value the function returns) is off by default, as in `jax.jit`. Flax sharding
+metadata on boxed arguments is read as hints (`jaxshard.flax_meta`), logical names go
+through ``logical_axis_rules``, and `AutoShard.init_sharded` creates parameters and
+optimizer state directly in their planned layout.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+import inspect
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxshard.annotate import pin_from_spec
 from jaxshard.errors import ShardingError
+from jaxshard.flax_meta import (
+    Rules,
+    check_rules,
+    leaf_specs,
+    quiet_linen_boxes,
+    resolve_hint_specs,
+    restore_linen_boxes,
+)
 from jaxshard.lower import Lowered
-from jaxshard.plan import Plan, make_plan
+from jaxshard.plan import Plan, auto_view, make_plan, mesh_axis_sizes
 from jaxshard.trace import abstractify, arg_names
+
+# Metadata hints are exact paths with a regex comment, so explanations and errors say
+# where the pin came from: hint 'params/l1/kernel/value(?#Flax metadata)': P(None, 'model')
+METADATA_TAG = "(?#Flax metadata)"
+
+
+class _Entry:
+    """One cached call signature: its plan's program, run with the donated leaves."""
+
+    def __init__(self, lowered: Lowered, donated: Sequence[int]):
+        self.lowered, self.donated = lowered, tuple(sorted(donated))
+        self.jitted = lowered.jitted
+        if self.donated:
+            self.jitted = jax.jit(
+                lowered.jitted,
+                in_shardings=lowered.in_shardings,
+                out_shardings=lowered.out_shardings,
+                donate_argnums=self.donated,
+            )
+
+    def __call__(self, flat: Sequence[Any]) -> Any:
+        with jax.set_mesh(self.lowered.mesh):
+            return self.jitted(*flat)
+
+    def lower(self, flat: Sequence[Any]) -> jax.stages.Lowered:
+        with jax.set_mesh(self.lowered.mesh):
+            return self.jitted.lower(*flat)
 
 
 class AutoShard:
-    """A function planned and run sharded by jaxshard; made by `auto_shard`."""
+    """A function planned and run sharded by jaxshard; made by `auto_shard`.
 
-    def __init__(self, fn: Callable, mesh: Mesh, hints: Mapping[str, PartitionSpec] | None):
+    Attributes: ``plans_made`` counts plans (one per new call signature), ``mesh``,
+    ``hints``, ``logical_axis_rules``.
+    """
+
+    def __init__(
+        self,
+        fn: Callable,
+        mesh: Mesh,
+        hints: Mapping[str, PartitionSpec] | None = None,
+        *,
+        logical_axis_rules: Rules | None = None,
+        flax_metadata: bool = True,
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
+        donate_argnums: int | Sequence[int] = (),
+        donate_argnames: str | Sequence[str] = (),
+        donate_state: bool = False,
+    ):
         if not isinstance(mesh, Mesh):
             raise ShardingError(f"auto_shard needs a jax.sharding.Mesh, got {type(mesh).__name__}")
         self.fn, self.mesh, self.hints = fn, mesh, dict(hints or {})
-        self._cache: dict[Any, Lowered] = {}
+        self.logical_axis_rules = check_rules(logical_axis_rules)
+        self.flax_metadata, self.donate_state = flax_metadata, donate_state
+        try:
+            self._signature: inspect.Signature | None = inspect.signature(fn)
+        except (TypeError, ValueError):
+            self._signature = None
+        self._static_nums, self._static_names = _argnums_and_names(
+            self._signature, static_argnums, static_argnames, "static", fn
+        )
+        self._donate_nums, self._donate_names = _argnums_and_names(
+            self._signature, donate_argnums, donate_argnames, "donate", fn
+        )
+        both = (self._static_nums & self._donate_nums) | (self._static_names & self._donate_names)
+        if both:
+            raise ShardingError(
+                f"argument {sorted(both, key=str)[0]!r} is both static and donated; a static "
+                "argument is not an array and cannot be donated"
+            )
+        self._cache: dict[Any, _Entry] = {}
         self.plans_made = 0
         functools.update_wrapper(self, fn)
 
-    def _key(self, args: tuple, kwargs: dict) -> tuple:
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        names = None
-        sig = []
+    # --- call signatures --------------------------------------------------------------
+
+    def _split(self, args: tuple, kwargs: dict):
+        """The dynamic arguments, the static ones (hashable) and the dynamic positions."""
+        static_pos = tuple((i, a) for i, a in enumerate(args) if i in self._static_nums)
+        static_kw = tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_names))
+        positions = tuple(i for i in range(len(args)) if i not in self._static_nums)
+        dyn_args = tuple(args[i] for i in positions)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_names}
+        static = (static_pos, static_kw)
+        try:
+            hash(static)
+        except TypeError:
+            bad = next(
+                name
+                for name, v in [*((f"argument {i}", v) for i, v in static_pos), *static_kw]
+                if not _hashable(v)
+            )
+            raise ShardingError(
+                f"static {bad} of {_fn_name(self.fn)} is not hashable; static values key the "
+                "plan cache like jax.jit's. Make it hashable (a tuple, a frozen dataclass), or "
+                "pass it as a traced argument."
+            ) from None
+        return dyn_args, dyn_kwargs, static, positions
+
+    def _entry(self, args: tuple, kwargs: dict) -> tuple[_Entry, list[Any], tuple, dict]:
+        dyn_args, dyn_kwargs, static, positions = self._split(args, kwargs)
+        leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        signature = []
         for i, leaf in enumerate(leaves):
             try:
                 a = abstractify(leaf, "")
             except ShardingError:
-                names = names or arg_names(self.fn, args, kwargs)[0]
+                names = arg_names(self._bind_static(static, positions), dyn_args, dyn_kwargs)[0]
                 abstractify(leaf, names[i])  # raises with the leaf's path
-            sig.append((a.shape, a.dtype, a.weak_type))
-        return tree, tuple(sig)
+            signature.append((a.shape, a.dtype, a.weak_type))
+        key = (tree, tuple(signature), static)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._cache[key] = self._build(dyn_args, dyn_kwargs, static, positions)
+        return entry, leaves, dyn_args, dyn_kwargs
 
-    def _lowered(self, args: tuple, kwargs: dict) -> Lowered:
-        key = self._key(args, kwargs)
-        lowered = self._cache.get(key)
-        if lowered is None:
-            plan = make_plan(self.fn, args, kwargs, self.mesh, self.hints)
-            self.plans_made += 1
-            lowered = self._cache[key] = Lowered(plan)
-        return lowered
+    def _bind_static(self, static: tuple, positions: tuple[int, ...]) -> Callable:
+        """``fn`` with the static arguments closed over and the Linen boxes quieted; its
+        signature lists the dynamic parameters only, so leaves keep their names."""
+        fn, (static_pos, static_kw) = self.fn, static
+        static_kwargs = dict(static_kw)
+
+        def traced_fn(*dyn_args, **dyn_kwargs):
+            dyn_args, dyn_kwargs = quiet_linen_boxes((dyn_args, dyn_kwargs))
+            full = list(dyn_args)
+            for i, value in static_pos:
+                full.insert(i, value)
+            return restore_linen_boxes(fn(*full, **dyn_kwargs, **static_kwargs))
+
+        traced_fn.__name__ = getattr(fn, "__name__", "fn")
+        if self._signature is not None:
+            drop = {_param_name(self._signature, i) for i, _ in static_pos} | set(static_kwargs)
+            params = [p for p in self._signature.parameters.values() if p.name not in drop]
+            traced_fn.__signature__ = self._signature.replace(parameters=params)  # type: ignore[attr-defined]
+        return traced_fn
+
+    def _build(self, dyn_args: tuple, dyn_kwargs: dict, static: tuple, positions) -> _Entry:
+        fn = self._bind_static(static, positions)
+        hints = resolve_hint_specs(self.hints, self.mesh, self.logical_axis_rules)
+        if self.flax_metadata:
+            for key, spec in self._metadata_hints(fn, dyn_args, dyn_kwargs).items():
+                hints[key] = spec
+        plan = make_plan(fn, dyn_args, dyn_kwargs, self.mesh, hints)
+        self.plans_made += 1
+        donated = set()
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
+        for k, path in enumerate(paths):
+            group, index = path[0].idx, path[1]
+            if group == 0 and positions[index.idx] in self._donate_nums:
+                donated.add(k)
+            elif group == 1 and index.key in self._donate_names:
+                donated.add(k)
+        if self.donate_state:
+            donated.update(i for i, _ in plan.graph.ties)
+        return _Entry(Lowered(plan), donated)
+
+    def _metadata_hints(self, fn: Callable, dyn_args: tuple, dyn_kwargs: dict) -> dict:
+        """Exact-path hints from the Flax metadata of boxed arguments, validated here so
+        an error names the metadata."""
+        tree = (dyn_args, dyn_kwargs)
+        specs = leaf_specs(tree, self.mesh, self.logical_axis_rules)
+        if not any(specs):
+            return {}
+        names = arg_names(fn, dyn_args, dyn_kwargs)[0]
+        sizes = mesh_axis_sizes(self.mesh)
+        hints = {}
+        for name, leaf, spec in zip(names, jax.tree_util.tree_leaves(tree), specs):
+            if spec is None:
+                continue
+            try:
+                pin_from_spec(spec[0], abstractify(leaf, name).shape, sizes, name, spec[1])
+            except ShardingError as e:
+                raise ShardingError(
+                    f"{e} The spec {spec[0]} comes from the Flax metadata: fix the metadata or "
+                    "the logical_axis_rules, or pass flax_metadata=False and hint it yourself."
+                ) from None
+            hints[re.escape(name) + METADATA_TAG] = spec[0]
+        return hints
+
+    # --- the public surface -----------------------------------------------------------
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
-        """The plan for these arguments (arrays or `jax.ShapeDtypeStruct`s).
+        """The plan for these arguments (arrays or `jax.ShapeDtypeStruct`s); cached, so
+        planning from abstract shapes first and calling with arrays later plans once.
 
         Example:
             >>> plan = step.plan(params, opt_state, batch)  # doctest: +SKIP
             >>> print(plan.explain())  # doctest: +SKIP
         """
-        return self._lowered(args, kwargs).plan
+        return self._entry(args, kwargs)[0].lowered.plan
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """`jax.stages.Lowered` of the planned program; ``.compile().as_text()`` shows the
@@ -70,35 +240,158 @@ class AutoShard:
         Example:
             >>> hlo = step.lower(params, opt_state, batch).compile().as_text()  # doctest: +SKIP
         """
-        lowered = self._lowered(args, kwargs)
-        flat = jax.tree_util.tree_leaves((args, kwargs))
+        entry, flat, _, _ = self._entry(args, kwargs)
         abstract = [
-            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-            for x, s in zip(flat, lowered.in_shardings)
+            jax.ShapeDtypeStruct(
+                np.shape(x), jax.typeof(x).dtype, sharding=s, weak_type=jax.typeof(x).weak_type
+            )
+            if not isinstance(x, jax.ShapeDtypeStruct)
+            else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type)
+            for x, s in zip(flat, entry.lowered.in_shardings)
         ]
-        return lowered.lower(abstract)
+        return entry.lower(abstract)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        lowered = self._lowered(args, kwargs)
-        flat = jax.tree_util.tree_leaves((args, kwargs))
-        placed = [_place(x, s) for x, s in zip(flat, lowered.in_shardings)]
-        outs = lowered(placed)
-        if lowered.mesh is not self.mesh:  # hand results back on the caller's (Explicit) mesh
-            outs = [
-                jax.device_put(o, NamedSharding(self.mesh, s.spec))
-                for o, s in zip(outs, lowered.out_shardings)
-            ]
-        return jax.tree_util.tree_unflatten(lowered.plan.traced.out_tree, outs)
+        entry, flat, _, _ = self._entry(args, kwargs)
+        placed = [_place(x, s) for x, s in zip(flat, entry.lowered.in_shardings)]
+        outs = entry(placed)
+        return jax.tree_util.tree_unflatten(
+            entry.lowered.plan.traced.out_tree, self._to_caller_mesh(outs)
+        )
+
+    def _to_caller_mesh(self, arrays: Sequence[Any]) -> list[Any]:
+        """Arrays on the plan's Auto view handed back on the caller's (Explicit) mesh."""
+        if auto_view(self.mesh) is self.mesh:
+            return list(arrays)
+        return [jax.device_put(a, NamedSharding(self.mesh, a.sharding.spec)) for a in arrays]
+
+    def init_sharded(
+        self,
+        init_fn: Callable,
+        *init_args: Any,
+        rest: tuple = (),
+        rest_kwargs: Mapping[str, Any] | None = None,
+        **init_kwargs: Any,
+    ) -> tuple:
+        """Create the step's leading arguments directly in their planned layout.
+
+        ``init_fn(*init_args, **init_kwargs)`` returns a tuple: the step's first positional
+        arguments (``(params, opt_state)``). They are planned from abstract shapes
+        (`jax.eval_shape`) together with ``rest``/``rest_kwargs``, the step's remaining
+        arguments (arrays or `jax.ShapeDtypeStruct`s), then created by
+        ``jax.jit(init_fn, out_shardings=<planned>)``: every device computes only its own
+        shards and no device ever holds a replicated copy. The plan is cached, so the
+        first step call with the real arguments plans nothing.
+
+        Example:
+            >>> def init(key):
+            ...     params = model_init(key)
+            ...     return params, optimizer.init(params)
+            >>> params, opt_state = step.init_sharded(init, key, rest=(batch,))  # doctest: +SKIP
+        """
+        with jax.set_mesh(auto_view(self.mesh)):  # Flax's eager sharding wants a mesh
+            shapes = jax.eval_shape(init_fn, *init_args, **init_kwargs)
+        if type(shapes) is not tuple:
+            raise ShardingError(
+                f"init_sharded: {_fn_name(init_fn)} returned a {type(shapes).__name__}; return a "
+                "tuple of the step's first positional arguments, e.g. (params, opt_state), or "
+                "(params,) for one"
+            )
+        static = [i for i in self._static_nums if i < len(shapes)]
+        if static:
+            raise ShardingError(
+                f"init_sharded: argument {static[0]} is static, but {_fn_name(init_fn)} returns "
+                f"the first {len(shapes)} arguments; initialize only dynamic leading arguments"
+            )
+        entry, _, _, _ = self._entry((*shapes, *rest), dict(rest_kwargs or {}))
+        count = len(jax.tree_util.tree_leaves(shapes))
+        shardings = jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(shapes), entry.lowered.in_shardings[:count]
+        )
+        with jax.set_mesh(entry.lowered.mesh):
+            made = jax.jit(init_fn, out_shardings=shardings)(*init_args, **init_kwargs)
+        leaves, tree = jax.tree_util.tree_flatten(made)
+        return jax.tree_util.tree_unflatten(tree, self._to_caller_mesh(leaves))
 
 
 def _place(x: Any, sharding: NamedSharding) -> Any:
-    if isinstance(x, jax.Array) and x.sharding != sharding:
-        return jax.device_put(x, sharding)
-    return x
+    """An argument in its planned sharding. In a multi-process job an argument that is not
+    already a global array is taken as the whole global value (the same on every
+    process) and each process places its own shards of it."""
+    if isinstance(x, jax.Array):
+        if x.sharding == sharding:
+            return x
+        if sharding.is_fully_addressable or not x.is_fully_addressable:
+            return jax.device_put(x, sharding)
+    elif sharding.is_fully_addressable:
+        return x
+    value = np.asarray(x)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def _fn_name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def _hashable(v: Any) -> bool:
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
+
+
+def _param_name(signature: inspect.Signature, i: int) -> str | None:
+    params = [
+        p
+        for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return params[i].name if i < len(params) else None
+
+
+def _argnums_and_names(
+    signature: inspect.Signature | None,
+    argnums: int | Sequence[int],
+    argnames: str | Sequence[str],
+    what: str,
+    fn: Callable,
+) -> tuple[frozenset[int], frozenset[str]]:
+    """Both forms of an argument selection, each inferred from the other like jax.jit."""
+    nums = {argnums} if isinstance(argnums, int) else set(argnums)
+    names = {argnames} if isinstance(argnames, str) else set(argnames)
+    if any(not isinstance(i, int) or i < 0 for i in nums):
+        raise ShardingError(
+            f"{what}_argnums of {_fn_name(fn)} must be non-negative ints, got {sorted(nums)}"
+        )
+    if signature is None:
+        return frozenset(nums), frozenset(names)
+    params = signature.parameters
+    for name in names:
+        if name not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise ShardingError(
+                f"{what}_argnames has {name!r}, which is not a parameter of {_fn_name(fn)} "
+                f"(parameters: {', '.join(params)})"
+            )
+    positional = [
+        p.name for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    names |= {positional[i] for i in nums if i < len(positional)}
+    nums |= {positional.index(n) for n in names if n in positional}
+    return frozenset(nums), frozenset(names)
 
 
 def auto_shard(
-    mesh: Mesh, hints: Mapping[str, PartitionSpec] | None = None
+    mesh: Mesh,
+    hints: Mapping[str, PartitionSpec] | None = None,
+    *,
+    logical_axis_rules: Rules | None = None,
+    flax_metadata: bool = True,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    donate_argnums: int | Sequence[int] = (),
+    donate_argnames: str | Sequence[str] = (),
+    donate_state: bool = False,
 ) -> Callable[[Callable], AutoShard]:
     """Decorate a function so jaxshard plans its sharding on ``mesh`` and runs it sharded.
 
@@ -107,11 +400,24 @@ def auto_shard(
     an entry naming axes pins that dim, ``None`` pins it replicated, ``P.UNCONSTRAINED``
     and dims past the spec's end are left to the planner.
 
+    ``logical_axis_rules`` (MaxText-style, ordered ``(logical name, mesh axes)`` pairs;
+    the first whose mesh axes exist and are free wins) translate logical names in hints
+    and in Flax metadata. With ``flax_metadata`` (default on) the sharding metadata of
+    boxed Flax arguments (NNX Variables, Linen ``Partitioned``) pins their leaves, partial
+    where the metadata is: see `jaxshard.flax_meta`.
+
+    ``static_argnums``/``static_argnames`` are closed over instead of traced and key the
+    cache by value (they must be hashable); ``donate_argnums``/``donate_argnames`` donate
+    those arguments' buffers, and ``donate_state=True`` donates every argument the
+    function returns a new value of (params, optimizer state). Nothing is donated by
+    default, as in `jax.jit`.
+
     Example:
         >>> import jax, jax.numpy as jnp
         >>> from jax.sharding import PartitionSpec as P
         >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
-        >>> @auto_shard(mesh, hints={"x": P("data"), "w": P(None, "model")})
+        >>> @auto_shard(mesh, hints={"x": P("batch"), "w": P(None, "mlp")},
+        ...             logical_axis_rules=[("batch", "data"), ("mlp", "model")])
         ... def f(x, w):
         ...     return jnp.tanh(x @ w)
         >>> f.plan(jnp.ones((8, 4)), jnp.ones((4, 16))).out_specs
@@ -119,6 +425,17 @@ def auto_shard(
     """
 
     def wrap(fn: Callable) -> AutoShard:
-        return AutoShard(fn, mesh, hints)
+        return AutoShard(
+            fn,
+            mesh,
+            hints,
+            logical_axis_rules=logical_axis_rules,
+            flax_metadata=flax_metadata,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
+            donate_state=donate_state,
+        )
 
     return wrap

@@ -33,15 +33,19 @@ from jaxshard.trace import Traced
 Path = tuple[int, ...]  # equation indices from the top jaxpr down to a nested jaxpr
 
 
-def source_line(eqn: JaxprEqn, enclosing: str = "<inside JAX>") -> str:
+Where = tuple | None  # (enclosing equation, its Where): resolved to a line only on demand
+
+
+def source_line(eqn: JaxprEqn, enclosing: Where = None) -> str:
     """The user source line an equation came from, e.g. ``model.py:42 (attention)``; for
     an equation JAX made inside its own functions, the line of the enclosing call."""
-    try:
-        from jax._src import source_info_util  # no public API for this yet
+    from jax._src import source_info_util  # no public API for this yet
 
-        return source_info_util.summarize(eqn.source_info) or enclosing
-    except Exception:  # pragma: no cover - best effort only
-        return enclosing
+    line = source_info_util.summarize(eqn.source_info)
+    while not line and enclosing is not None:
+        eqn, enclosing = enclosing
+        line = source_info_util.summarize(eqn.source_info)
+    return line or "<inside JAX>"
 
 
 @dataclass(frozen=True)
@@ -53,13 +57,13 @@ class App:
     results: tuple[int, ...]
     kind: str  # "eqn" | "link" | "tie"
     eqn: JaxprEqn | None = None
-    line: str = ""
+    where: Where = None
 
     def describe(self) -> str:
         """Primitive and source line (or the link kind), for explanations."""
         if self.eqn is None:
             return self.kind
-        return f"{self.eqn.primitive.name} at {self.line or source_line(self.eqn)}"
+        return f"{self.eqn.primitive.name} at {source_line(self.eqn, self.where)}"
 
 
 @dataclass
@@ -76,11 +80,13 @@ class Graph:
     var_vid: dict[tuple[Path, Any], int] = field(default_factory=dict)
     ties: list[tuple[int, int]] = field(default_factory=list)  # (arg leaf, result leaf)
     unknown: dict[str, str] = field(default_factory=dict)  # primitive -> first source line
+    rule_cache: dict[Any, Rule] = field(default_factory=dict, repr=False)
 
     def new_value(self, aval: Any) -> int:
-        self.shapes.append(tuple(getattr(aval, "shape", ())))
+        shapes = self.shapes
+        shapes.append(getattr(aval, "shape", ()))
         self.dtypes.append(getattr(aval, "dtype", None))
-        return len(self.shapes) - 1
+        return len(shapes) - 1
 
     def uses(self) -> list[list[int]]:
         """For each value, the applications it takes part in."""
@@ -134,7 +140,7 @@ def _build(
     in_vids: Sequence[int],
     path: Path,
     axis_sizes,
-    enclosing: str = "<inside JAX>",
+    enclosing: Where = None,
 ) -> list[int]:
     env: dict[Any, int] = {}
 
@@ -161,10 +167,16 @@ def _build(
             bind(eqn.outvars[0], vid)
             continue
         region_fn = region_fn_for(eqn.primitive)
-        line = source_line(eqn, enclosing)
         if region_fn is not None:
             _build_regions(
-                g, eqn, region_fn(eqn), operands, path + (index,), axis_sizes, bind, line
+                g,
+                eqn,
+                region_fn(eqn),
+                operands,
+                path + (index,),
+                axis_sizes,
+                bind,
+                (eqn, enclosing),
             )
             continue
         results = [g.new_value(v.aval) for v in eqn.outvars]
@@ -172,20 +184,43 @@ def _build(
             bind(var, vid)
         boundary_fn = boundary_fn_for(eqn.primitive)
         if boundary_fn is not None:
-            _pin_boundary(g, eqn, boundary_fn(eqn), operands, results, line, axis_sizes)
+            _pin_boundary(
+                g, eqn, boundary_fn(eqn), operands, results, source_line(eqn, enclosing), axis_sizes
+            )
             continue
         rule_fn = rule_fn_for(eqn.primitive)
         if rule_fn is None:
-            g.unknown.setdefault(eqn.primitive.name, line)
+            if eqn.primitive.name not in g.unknown:
+                g.unknown[eqn.primitive.name] = source_line(eqn, enclosing)
             continue
-        rule = rule_fn(eqn)
-        rule.check(
-            shapes_of(eqn.invars),
-            shapes_of(eqn.outvars),
-            f"{eqn.primitive.name} at {line}",
-        )
-        g.apps.append(App(rule, tuple(operands), tuple(results), "eqn", eqn, line))
+        rule = _rule(g, rule_fn, eqn, enclosing)
+        g.apps.append(App(rule, tuple(operands), tuple(results), "eqn", eqn, enclosing))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _rule(g: Graph, rule_fn, eqn: JaxprEqn, enclosing: Where) -> Rule:
+    """The equation's rule, built and checked once per distinct (primitive, shapes,
+    dtypes, params): repeated layers share one Rule object."""
+    try:
+        key = (
+            eqn.primitive,
+            tuple(
+                (getattr(v.aval, "shape", ()), getattr(v.aval, "dtype", None)) for v in eqn.invars
+            ),
+            tuple((v.aval.shape, v.aval.dtype) for v in eqn.outvars),
+            tuple(sorted(eqn.params.items())),
+        )
+        hash(key)
+    except TypeError:
+        key = None
+    rule = g.rule_cache.get(key) if key is not None else None
+    if rule is None:
+        rule = rule_fn(eqn)
+        where = f"{eqn.primitive.name} at {source_line(eqn, enclosing)}"
+        rule.check(shapes_of(eqn.invars), shapes_of(eqn.outvars), where)
+        if key is not None:
+            g.rule_cache[key] = rule
+    return rule
 
 
 def _pin_boundary(g: Graph, eqn, specs, operands, results, line: str, axis_sizes) -> None:
@@ -202,7 +237,7 @@ def _pin_boundary(g: Graph, eqn, specs, operands, results, line: str, axis_sizes
 
 
 def _build_regions(
-    g: Graph, eqn: JaxprEqn, regions, operands, path: Path, axis_sizes, bind, line: str
+    g: Graph, eqn: JaxprEqn, regions, operands, path: Path, axis_sizes, bind, where: Where
 ) -> None:
     results: list[int | None] = [None] * len(eqn.outvars)
     pending: list[tuple[int, int, Rule | None]] = []  # (outer result, inner vid, rule)
@@ -215,7 +250,7 @@ def _build_regions(
             vid if vid is not None else g.new_value(var.aval)
             for vid, var in zip(inner_in, region.jaxpr.invars)
         ]
-        inner_out = _build(g, region.jaxpr, inner_in_vids, path + (r,), axis_sizes, line)
+        inner_out = _build(g, region.jaxpr, inner_in_vids, path + (r,), axis_sizes, where)
         inner = {"in": inner_in_vids, "out": inner_out}
         for link in region.links:
             kind, i = link.outer
@@ -223,7 +258,7 @@ def _build_regions(
             if kind == "in":
                 if link.rule is not None or link.inner[0] != "in":
                     rule = link.rule or identity_rule(g.shapes[operands[i]])
-                    g.apps.append(App(rule, (operands[i],), (vid,), "link", eqn, line))
+                    g.apps.append(App(rule, (operands[i],), (vid,), "link", eqn, where[1]))
             elif link.rule is None and results[i] is None:
                 results[i] = vid
             else:
@@ -239,7 +274,7 @@ def _build_regions(
                             (other,),
                             "link",
                             eqn,
-                            line,
+                            where[1],
                         )
                     )
     for i, var in enumerate(eqn.outvars):
@@ -249,7 +284,7 @@ def _build_regions(
     for i, vid, rule in pending:
         if vid != results[i]:
             rule = rule or identity_rule(g.shapes[results[i]])
-            g.apps.append(App(rule, (results[i],), (vid,), "link", eqn, line))
+            g.apps.append(App(rule, (results[i],), (vid,), "link", eqn, where[1]))
 
 
 def tied_results(traced: Traced) -> list[tuple[int, int]]:

@@ -60,6 +60,26 @@ class State:
     visits: int = 0
 
 
+def _compile(rule) -> tuple:
+    """Index a rule for the hot path: (single-factor dims, compound dims, all dims), each
+    entry naming the tensor by its position among operands then results."""
+    sizes = [f.size for f in rule.factors]
+    need = [f.kind is NEED for f in rule.factors]
+    single, compound, writable = [], [], []
+    for t, tdims in enumerate((*rule.operands, *rule.results)):
+        for d, fl in enumerate(tdims):
+            if not fl:
+                continue
+            fsizes = tuple(sizes[f] for f in fl)
+            writable.append((t, d, fl, fsizes))
+            if len(fl) == 1:
+                if not need[fl[0]]:
+                    single.append((t, d, fl[0]))
+            else:
+                compound.append((t, d, fl, fsizes, tuple(need[f] for f in fl)))
+    return tuple(single), tuple(compound), tuple(writable)
+
+
 class Propagator:
     """Runs propagation over a Graph; see the module doc.
 
@@ -89,25 +109,18 @@ class Propagator:
         ]
         self.state = State(dims, origins)
         self.uses = graph.uses()
-        self._members = [self._compile(app) for app in graph.apps]
+        compiled: dict[int, tuple] = {}  # per Rule object: repeated layers share one
+        self._struct = [
+            compiled.get(id(app.rule)) or compiled.setdefault(id(app.rule), _compile(app.rule))
+            for app in graph.apps
+        ]
+        self._vids = [(*app.operands, *app.results) for app in graph.apps]
         self.hinted: set[int] = set()
         self._queue: deque[int] = deque()
         self._queued = bytearray(len(graph.apps))
         self._split = lru_cache(maxsize=None)(
             lambda axes, sizes: split_axes(axes, sizes, self.axis_sizes)
         )
-
-    def _compile(self, app):
-        rule = app.rule
-        sizes = [f.size for f in rule.factors]
-        members = []
-        for vid, tdims in zip((*app.operands, *app.results), (*rule.operands, *rule.results)):
-            entries = tuple(
-                (d, fl, tuple(sizes[f] for f in fl)) for d, fl in enumerate(tdims) if fl
-            )
-            if entries:
-                members.append((vid, entries))
-        return members
 
     # --- seeding -------------------------------------------------------------------
 
@@ -222,24 +235,61 @@ class Propagator:
 
     def factor_values(self, a: int) -> tuple[dict[int, Axes], dict[int, tuple[int, int]]]:
         """The merged sharding of each factor at application ``a``, and a (value, dim)
-        supplying it."""
-        factors = self.graph.apps[a].rule.factors
-        cands: dict[int, list[tuple[Axes, int, int]]] = {}
+        supplying it. Hot path: one pass, falling back to conflict resolution only when
+        two known shardings of a factor differ."""
+        single, compound, _ = self._struct[a]
+        vids = self._vids[a]
         dims = self.state.dims
-        for vid, entries in self._members[a]:
-            state = dims[vid]
-            for d, fl, sizes in entries:
-                s = state[d]
-                if s is None:
+        values: dict[int, Axes] = {}
+        sources: dict[int, tuple[int, int]] = {}
+        conflict = False
+        for t, d, f in single:
+            vid = vids[t]
+            s = dims[vid][d]
+            if s is None:
+                continue
+            prev = values.get(f)
+            if prev is None:
+                values[f] = s
+                sources[f] = (vid, d)
+            elif prev != s:
+                conflict = True
+        for t, d, fl, sizes, need in compound:
+            vid = vids[t]
+            s = dims[vid][d]
+            if s is None:
+                continue
+            parts, _ = self._split(s, sizes)
+            for f, axes, skip in zip(fl, parts, need):
+                if skip:
                     continue
-                if len(fl) == 1:
-                    if factors[fl[0]].kind is not NEED:
-                        cands.setdefault(fl[0], []).append((s, vid, d))
-                    continue
-                parts, _ = self._split(s, sizes)
-                for f, axes in zip(fl, parts):
-                    if factors[f].kind is not NEED:
-                        cands.setdefault(f, []).append((axes, vid, d))
+                prev = values.get(f)
+                if prev is None:
+                    values[f] = axes
+                    sources[f] = (vid, d)
+                elif prev != axes:
+                    conflict = True
+        if conflict:
+            return self._factor_values_with_conflicts(a)
+        return values, sources
+
+    def _factor_values_with_conflicts(self, a: int):
+        single, compound, _ = self._struct[a]
+        vids = self._vids[a]
+        dims = self.state.dims
+        cands: dict[int, list[tuple[Axes, int, int]]] = {}
+        for t, d, f in single:
+            s = dims[vids[t]][d]
+            if s is not None:
+                cands.setdefault(f, []).append((s, vids[t], d))
+        for t, d, fl, sizes, need in compound:
+            s = dims[vids[t]][d]
+            if s is None:
+                continue
+            parts, _ = self._split(s, sizes)
+            for f, axes, skip in zip(fl, parts, need):
+                if not skip:
+                    cands.setdefault(f, []).append((axes, vids[t], d))
         values: dict[int, Axes] = {}
         sources: dict[int, tuple[int, int]] = {}
         for f, cs in cands.items():
@@ -254,25 +304,29 @@ class Propagator:
         values, sources = self.factor_values(a)
         if not values:
             return
-        dims = self.state.dims
-        for vid, entries in self._members[a]:
-            state = dims[vid]
-            for d, fl, sizes in entries:
-                if state[d] is not None:
-                    continue
-                if len(fl) == 1:
-                    new = values.get(fl[0])
-                else:
-                    new, _ = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
-                if new is None:
-                    continue
-                src, src_dim = sources.get(fl[0], (-1, -1))
-                root = self.state.origins[src][src_dim] if src >= 0 else None
-                hinted = root is not None and root.from_hint
-                origin = Origin(
-                    "propagated", app=a, source=src, source_dim=src_dim, from_hint=hinted
-                )
-                proposals.setdefault((vid, d), []).append((new, origin))
+        _, _, writable = self._struct[a]
+        vids = self._vids[a]
+        dims, origins = self.state.dims, self.state.origins
+        for t, d, fl, sizes in writable:
+            vid = vids[t]
+            if dims[vid][d] is not None:
+                continue
+            if len(fl) == 1:
+                new = values.get(fl[0])
+            else:
+                new, _ = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
+            if new is None:
+                continue
+            src, src_dim = sources.get(fl[0], (-1, -1))
+            root = origins[src][src_dim] if src >= 0 else None
+            origin = Origin(
+                "propagated",
+                app=a,
+                source=src,
+                source_dim=src_dim,
+                from_hint=root is not None and root.from_hint,
+            )
+            proposals.setdefault((vid, d), []).append((new, origin))
 
     def _resolve(self, a: int, f: int, cands: list[tuple[Axes, int, int]]) -> Axes:
         options: dict[Axes, list[tuple[int, int]]] = {}
@@ -303,32 +357,42 @@ class Propagator:
                 total += reshard_cost(g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes)[0]
         return total
 
-    def implied(self, a: int) -> list[tuple[int, int, DimSharding]]:
-        """For a finished propagation: each (value, dim, sharding the application works in).
+    def working(self, a: int) -> tuple[list[tuple[int, int, DimSharding]], frozenset[str]]:
+        """For a finished propagation: each (value, dim, layout application ``a`` works
+        in), and the mesh axes over which its results are pending partial reductions.
 
-        Need-replication factors are worked in replicated; a dim whose factors leave axes
-        the rule cannot express is worked in what the factors say.
+        Need-replication factors are worked in replicated; a factor some dim cannot
+        express (a sharded minor factor of a compound dim) is worked in replicated too.
         """
         values, _ = self.factor_values(a)
         factors = self.graph.apps[a].rule.factors
         for f, factor in enumerate(factors):
             if factor.kind is NEED:
                 values[f] = ()
-        changed = True
-        while changed:  # a factor some dim cannot express is worked in replicated
+        writable = self._struct[a][2]
+        changed = bool(self._struct[a][1])
+        while changed:
             changed = False
-            for _, entries in self._members[a]:
-                for _, fl, sizes in entries:
-                    if len(fl) > 1:
-                        _, exact = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
-                        if not exact:
-                            changed = self._drop_unexpressible(values, fl, sizes)
+            for _, _, fl, sizes in writable:
+                if len(fl) > 1:
+                    _, exact = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
+                    if not exact:
+                        changed = self._drop_unexpressible(values, fl, sizes)
+        vids = self._vids[a]
         out = []
-        for vid, entries in self._members[a]:
-            for d, fl, sizes in entries:
+        for t, d, fl, sizes in writable:
+            if len(fl) == 1:
+                want = values.get(fl[0])
+            else:
                 want, _ = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
-                out.append((vid, d, want))
-        return out
+            out.append((vids[t], d, want))
+        partial = frozenset(
+            ax
+            for f, axes in values.items()
+            if factors[f].kind is FactorKind.REDUCTION
+            for ax in axes
+        )
+        return out, partial
 
     def _drop_unexpressible(self, values: dict[int, Axes], fl, sizes) -> bool:
         import math
@@ -343,14 +407,3 @@ class Propagator:
                         changed = True
                 return changed
         return False
-
-    def partial_axes(self, a: int) -> frozenset[str]:
-        """Mesh axes over which the results of application ``a`` are pending partial sums."""
-        values, _ = self.factor_values(a)
-        factors = self.graph.apps[a].rule.factors
-        return frozenset(
-            ax
-            for f, axes in values.items()
-            if factors[f].kind is FactorKind.REDUCTION
-            for ax in axes
-        )
