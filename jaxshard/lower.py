@@ -1,24 +1,26 @@
 """Lowering: a plan becomes a program XLA partitions.
 
-The traced jaxpr is replayed, inlining call-like regions and rebinding loops and
-branches with rewritten bodies, with
-`jax.lax.with_sharding_constraint` at the values the plan pins, and wrapped in
-`jax.jit` with in/out shardings for every argument and result leaf. Shardings live on
-an Auto-typed view of the plan's mesh, so meshes with Explicit axes (the default of
-`jax.make_mesh`) work too.
+The traced jaxpr is rewritten, not replayed: after every value the plan pins, a
+`sharding_constraint` equation is inserted and later uses read the constrained value;
+the bodies of nested jits, loops, branches, custom derivatives and rematerialized
+blocks are rewritten in place the same way, so their structure survives. The result is
+bound as one `jit` equation inside `jax.jit` with in/out shardings for every argument
+and result leaf, which costs a single bind instead of re-tracing thousands of
+equations. Shardings live on an Auto-typed view of the plan's mesh, so meshes with
+Explicit axes (the default of `jax.make_mesh`) work too.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
-from jax._src import source_info_util  # keeps user source lines on replayed equations
-from jax.extend.core import Jaxpr, Literal
+from jax._src import core as jax_core  # Var and new_jaxpr_eqn: no public constructors yet
+from jax._src.pjit import jit_p
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import primitives as prims
 from jax.sharding import NamedSharding
 
-from jaxshard.annotate import hint_p
 from jaxshard.lattice import to_spec
 from jaxshard.plan import Plan, auto_view
 from jaxshard.rule import FactorKind, region_fn_for
@@ -42,7 +44,12 @@ def pinned_values(plan: Plan) -> set[int]:
 
 
 class Lowered:
-    """The jitted, sharded program of a plan and the shardings it takes and returns."""
+    """The jitted, sharded program of a plan and the shardings it takes and returns.
+
+    Example:
+        >>> lowered = Lowered(plan)  # doctest: +SKIP
+        >>> outs = lowered(flat_args)  # doctest: +SKIP
+    """
 
     def __init__(self, plan: Plan):
         self.plan = plan
@@ -55,90 +62,78 @@ class Lowered:
             key: named(plan.dims[vid]) for key, vid in plan.graph.var_vid.items() if vid in pinned
         }
         closed = plan.traced.jaxpr
+        self.jaxpr = ClosedJaxpr(self._rewrite(closed.jaxpr, ()), closed.consts)
+        n_in, n_out = len(self.in_shardings), len(self.out_shardings)
+        params = dict(
+            jaxpr=self.jaxpr,
+            in_shardings=self.in_shardings,
+            out_shardings=self.out_shardings,
+            in_layouts=(None,) * n_in,
+            out_layouts=(None,) * n_out,
+            donated_invars=(False,) * n_in,
+            ctx_mesh=self.mesh,
+            name=getattr(plan.traced, "name", "jaxshard_step"),
+            keep_unused=False,
+            inline=False,
+            compiler_options_kvs=(),
+        )
         self.jitted = jax.jit(
-            lambda *flat: tuple(self._eval(closed.jaxpr, closed.consts, flat, ())),
+            lambda *flat: tuple(jit_p.bind(*flat, **params)),
             in_shardings=self.in_shardings,
             out_shardings=self.out_shardings,
         )
 
-    def _eval(self, jaxpr: Jaxpr, consts, args, path: tuple[int, ...]) -> list[Any]:
-        """Replay ``jaxpr`` on ``args``, constraining the values the plan pins."""
-        env: dict[Any, Any] = {}
+    def _constrain(self, var, sharding: NamedSharding, eqns: list, like) -> Any:
+        new = jax_core.Var(var.aval)
+        params = dict(
+            sharding=sharding, layout=None, context_mesh=self.mesh, unconstrained_dims=frozenset()
+        )
+        eqns.append(
+            jax_core.new_jaxpr_eqn(
+                [var], [new], prims.sharding_constraint_p, params, set(), like.source_info, like.ctx
+            )
+        )
+        return new
+
+    def _rewrite(self, jaxpr: Jaxpr, path: tuple[int, ...]) -> Jaxpr:
+        """``jaxpr`` with a constraint after every pinned value, bodies rewritten too."""
         pins = self._pins
+        subst: dict[Any, Any] = {}
+        eqns: list = []
 
-        def write(var, value):
-            sharding = pins.get((path, var))
-            if sharding is not None:
-                value = jax.lax.with_sharding_constraint(value, sharding)
-            env[var] = value
+        def sub(var):
+            return var if isinstance(var, Literal) else subst.get(var, var)
 
-        def read(var):
-            return var.val if isinstance(var, Literal) else env[var]
-
-        for var, value in zip(jaxpr.constvars, consts):
-            env[var] = value
-        for var, value in zip(jaxpr.invars, args):
-            if path:  # top-level arguments already arrive in their in_shardings
-                write(var, value)
-            else:
-                env[var] = value
+        if path and jaxpr.eqns:  # a body's inputs (loop carries) keep their layout too
+            for var in jaxpr.invars:
+                sharding = pins.get((path, var))
+                if sharding is not None:
+                    subst[var] = self._constrain(var, sharding, eqns, jaxpr.eqns[0])
         for index, eqn in enumerate(jaxpr.eqns):
-            invals = [read(v) for v in eqn.invars]
+            params = eqn.params
             region_fn = region_fn_for(eqn.primitive)
-            if eqn.primitive is hint_p:
-                outs = invals
-            elif region_fn is not None:
-                regions = region_fn(eqn)
-                if regions[0].param is None:
-                    outs = self._inline(eqn, regions, invals, path + (index,))
-                else:
-                    outs = self._rebind(eqn, regions, invals, path + (index,))
-            else:
-                with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
-                    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-                outs = outs if eqn.primitive.multiple_results else [outs]
-            for var, value in zip(eqn.outvars, outs):
-                write(var, value)
-        return [read(v) for v in jaxpr.outvars]
-
-    def _inline(self, eqn, regions, invals, path):
-        (region,) = regions
-        inner_args: list[Any] = [None] * len(region.jaxpr.invars)
-        for link in region.links:
-            if link.outer[0] == "in":
-                inner_args[link.inner[1]] = invals[link.outer[1]]
-        inner_outs = self._eval(region.jaxpr, region.consts, inner_args, path + (0,))
-        outs: list[Any] = [None] * len(eqn.outvars)
-        for link in region.links:
-            if link.outer[0] == "out":
-                outs[link.outer[1]] = inner_outs[link.inner[1]]
-        return outs
-
-    def _rebind(self, eqn, regions, invals, path):
-        """Bind a loop or branch again with each body rewritten to carry its constraints."""
-        params = dict(eqn.params)
-        for r, region in enumerate(regions):
-            avals = [
-                jax.ShapeDtypeStruct(
-                    v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False)
-                )
-                for v in region.jaxpr.invars
-            ]
-            body = functools.partial(self._eval, region.jaxpr, region.consts, path=path + (r,))
-            closed = jax.make_jaxpr(lambda *xs, body=body: body(xs))(*avals)
-            if not hasattr(params[region.param], "consts"):  # an open jaxpr (remat)
-                if closed.consts:
-                    return self._inline(eqn, regions, invals, path)
-                params[region.param] = closed.jaxpr
-            elif region.index is None:
-                params[region.param] = closed
-            else:
-                items = list(params[region.param])
-                items[region.index] = closed
-                params[region.param] = tuple(items)
-        with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
-            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
-        return outs if eqn.primitive.multiple_results else [outs]
+            if region_fn is not None:
+                params = dict(params)
+                for r, region in enumerate(region_fn(eqn)):
+                    inner = self._rewrite(region.jaxpr, path + (index, r))
+                    old = (
+                        params[region.param]
+                        if region.index is None
+                        else params[region.param][region.index]
+                    )
+                    new = ClosedJaxpr(inner, old.consts) if isinstance(old, ClosedJaxpr) else inner
+                    if region.index is None:
+                        params[region.param] = new
+                    else:
+                        items = list(params[region.param])
+                        items[region.index] = new
+                        params[region.param] = tuple(items)
+            eqns.append(eqn.replace(invars=[sub(v) for v in eqn.invars], params=params))
+            for var in eqn.outvars:
+                sharding = pins.get((path, var))
+                if sharding is not None and not isinstance(var, jax_core.DropVar):
+                    subst[var] = self._constrain(var, sharding, eqns, eqn)
+        return jaxpr.replace(eqns=eqns, outvars=[sub(v) for v in jaxpr.outvars])
 
     def __call__(self, flat_args):
         with jax.set_mesh(self.mesh):

@@ -260,16 +260,16 @@ class Region:
 
     ``ties`` lists groups of inner values (``("in"|"out", index)``) that must share one
     sharding, e.g. a loop carry's body input and body output. ``param`` names the
-    equation parameter holding this region's ClosedJaxpr (``index`` its position when
-    the parameter is a tuple, like ``cond``'s branches): lowering rewrites it with
-    constraints inside. Without ``param`` the region is a call and lowering inlines it.
+    equation parameter holding this region's jaxpr (``index`` its position when the
+    parameter is a tuple, like ``cond``'s branches): lowering rewrites it with
+    constraints inside.
     """
 
     jaxpr: Jaxpr
     consts: tuple[Any, ...]
     links: tuple[Link, ...]
     ties: tuple[tuple[tuple[str, int], ...], ...] = field(default=())
-    param: str | None = None
+    param: str = "jaxpr"
     index: int | None = None
 
 

@@ -3,8 +3,8 @@
 `jit` (pjit), `closed_call`, `remat`/`checkpoint`, `custom_jvp_call` and
 `custom_vjp_call` call one inner jaxpr on the equation's operands: each operand is the
 inner input of the same position and each result the inner output. The links are
-identities, so the engine inlines them; lowering inlines calls too, except `remat`,
-whose body it rewrites so XLA still rematerializes it. `shard_map` is a boundary: its
+identities, so the engine inlines them; lowering rewrites each body in place, so nested
+jits, custom derivatives and rematerialization boundaries survive. `shard_map` is a boundary: its
 in/out specs are fixed layouts of its operands and results, and its manual body is not
 planned.
 """
@@ -32,7 +32,9 @@ def call_region(eqn: JaxprEqn) -> list[Region]:
     jaxpr, consts = (inner.jaxpr, tuple(inner.consts)) if hasattr(inner, "consts") else (inner, ())
     links = [Link(("in", i), ("in", i)) for i in range(len(eqn.invars))]
     links += [Link(("out", i), ("out", i)) for i in range(len(eqn.outvars))]
-    return [Region(jaxpr, consts, tuple(links))]
+    return [
+        Region(jaxpr, consts, tuple(links), param="jaxpr" if "jaxpr" in params else "call_jaxpr")
+    ]
 
 
 register_region(p.jit_p, p.closed_call_p, p.remat_p, p.custom_jvp_call_p, p.custom_vjp_call_p)(
