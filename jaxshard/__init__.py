@@ -25,3 +25,6 @@ __all__ = [
 __version__ = "0.1.0"
 
 import jaxshard.rules  # noqa: E402, F401 - registers the rule catalogue with the engine
+from jaxshard.flax_meta import flax_hints, logical_to_spec  # noqa: E402
+
+__all__ += ["flax_hints", "logical_to_spec"]

@@ -237,7 +237,8 @@ def leaf_specs(
         if names is None or count != 1:
             specs.extend([None] * count)
             continue
-        where = f"{jax.tree_util.keystr(path)} (Flax metadata {names!r})"
+        where = f"{jax.tree_util.keystr(path)} (Flax metadata {names!r}"
+        where += ")" if logical else "; nn.Partitioned names are mesh axes, never logical)"
         spec = logical_to_spec(
             names, mesh, (own_rules + global_rules) if logical else (), where=where
         )

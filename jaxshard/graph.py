@@ -22,6 +22,7 @@ from jaxshard.annotate import Pin, hint_p, merge_pins, pin_from_spec
 from jaxshard.errors import JaxshardWarning
 from jaxshard.rule import (
     Rule,
+    annotation_fn_for,
     boundary_fn_for,
     identity_rule,
     region_fn_for,
@@ -182,6 +183,28 @@ def _build(
         results = [g.new_value(v.aval) for v in eqn.outvars]
         for var, vid in zip(eqn.outvars, results):
             bind(var, vid)
+        annotation_fn = annotation_fn_for(eqn.primitive)
+        if annotation_fn is not None:
+            g.apps.append(
+                App(
+                    identity_rule(g.shapes[operands[0]]),
+                    (operands[0],),
+                    (results[0],),
+                    "eqn",
+                    eqn,
+                    enclosing,
+                )
+            )
+            _pin_boundary(
+                g,
+                eqn,
+                annotation_fn(eqn),
+                operands,
+                results,
+                source_line(eqn, enclosing),
+                axis_sizes,
+            )
+            continue
         boundary_fn = boundary_fn_for(eqn.primitive)
         if boundary_fn is not None:
             _pin_boundary(
@@ -227,6 +250,8 @@ def _pin_boundary(g: Graph, eqn, specs, operands, results, line: str, axis_sizes
     source = f"{eqn.primitive.name} at {line}"
     for kind, vids, spec_list in (("operand", operands, specs[0]), ("result", results, specs[1])):
         for i, (vid, spec) in enumerate(zip(vids, spec_list)):
+            if spec is None:
+                continue
             pin = pin_from_spec(
                 spec, g.shapes[vid], axis_sizes, f"{source}, {kind} {i}", "its spec"
             )

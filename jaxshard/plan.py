@@ -89,7 +89,11 @@ class Plan:
 
     def _analyze(self, prop: Propagator) -> None:
         g = self.graph
+        seen: set = set()
+        dead = _dead_apps(g)
         for a, app in enumerate(g.apps):
+            if a in dead or _duplicate(app, seen):  # XLA drops it, or computes it once
+                continue
             wants: dict[int, list[DimSharding]] = {}
             working, axes = prop.working(a)
             for vid, d, want in working:
@@ -207,6 +211,18 @@ class Plan:
             return f"propagated from {origin.text} via {via}"
         return f"propagated via {via}"
 
+    def verify(self, lowered: Any = None) -> Any:
+        """Compile the plan's program and compare its collectives with the predictions;
+        see `jaxshard.verify.verify`.
+
+        Example:
+            >>> plan.verify().surprises  # doctest: +SKIP
+            []
+        """
+        from jaxshard.verify import verify
+
+        return verify(self, lowered)
+
     def explain(self) -> str:
         """A readable table of every argument and result, the reshards, and totals.
 
@@ -216,6 +232,57 @@ class Plan:
         from jaxshard.explain import explain_plan
 
         return explain_plan(self)
+
+
+def _dead_apps(g: Graph) -> set[int]:
+    """Equations whose results nothing uses (JAX's tracing keeps them; XLA removes them)."""
+    readers = [0] * len(g.shapes)
+    for app in g.apps:
+        for v in app.operands:
+            readers[v] += 1
+        if app.kind != "eqn":  # links and ties read their results too
+            for v in app.results:
+                readers[v] += 1
+    for v in g.out_vids:
+        readers[v] += 1
+    producer = {}
+    for a, app in enumerate(g.apps):
+        if app.kind == "eqn":
+            for v in app.results:
+                producer[v] = a
+    dead: set[int] = set()
+    work = [
+        a
+        for a, app in enumerate(g.apps)
+        if app.kind == "eqn" and not any(readers[v] for v in app.results)
+    ]
+    while work:
+        a = work.pop()
+        if a in dead:
+            continue
+        dead.add(a)
+        for v in g.apps[a].operands:
+            readers[v] -= 1
+            p = producer.get(v)
+            if readers[v] == 0 and p is not None and not any(readers[r] for r in g.apps[p].results):
+                work.append(p)
+    return dead
+
+
+def _duplicate(app, seen: set) -> bool:
+    """True for an equation identical to an earlier one (same primitive, operands and
+    params), which XLA's common-subexpression elimination merges."""
+    if app.eqn is None:
+        return False
+    try:
+        key = (app.eqn.primitive, app.operands, tuple(sorted(app.eqn.params.items())))
+        hash(key)
+    except TypeError:
+        return False
+    if key in seen:
+        return True
+    seen.add(key)
+    return False
 
 
 def make_plan(

@@ -281,6 +281,7 @@ BoundaryFn = Callable[[JaxprEqn], tuple[list[Any], list[Any]]]
 _RULES: dict[Primitive, RuleFn] = {}
 _REGIONS: dict[Primitive, RegionFn] = {}
 _BOUNDARIES: dict[Primitive, BoundaryFn] = {}
+_ANNOTATIONS: dict[Primitive, BoundaryFn] = {}
 
 
 def register_rule(*primitives: Primitive) -> Callable[[RuleFn], RuleFn]:
@@ -324,6 +325,25 @@ def register_boundary(*primitives: Primitive) -> Callable[[BoundaryFn], Boundary
     return deco
 
 
+def register_annotation(*primitives: Primitive) -> Callable[[BoundaryFn], BoundaryFn]:
+    """Register ``fn(eqn) -> (operand specs, result specs)`` for identity primitives that
+    pin layouts (``None`` entries pin nothing): the equation passes shardings through
+    like an elementwise op, and the given specs become pins (e.g. a user's
+    `with_sharding_constraint`)."""
+
+    def deco(fn: BoundaryFn) -> BoundaryFn:
+        for prim in primitives:
+            _ANNOTATIONS[prim] = fn
+        return fn
+
+    return deco
+
+
+def annotation_fn_for(primitive: Primitive) -> BoundaryFn | None:
+    """The registered annotation function of a primitive, or None."""
+    return _ANNOTATIONS.get(primitive)
+
+
 def boundary_fn_for(primitive: Primitive) -> BoundaryFn | None:
     """The registered boundary function of a primitive, or None."""
     return _BOUNDARIES.get(primitive)
@@ -347,7 +367,7 @@ def covered_primitives() -> list[str]:
         >>> "dot_general" in covered_primitives()
         True
     """
-    return sorted({p.name for p in (*_RULES, *_REGIONS, *_BOUNDARIES)})
+    return sorted({p.name for p in (*_RULES, *_REGIONS, *_BOUNDARIES, *_ANNOTATIONS)})
 
 
 def primitive(name: str) -> Primitive:

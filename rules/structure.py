@@ -15,7 +15,14 @@ from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 from jax.sharding import PartitionSpec
 
-from jaxshard.rule import Link, Region, primitive, register_boundary, register_region
+from jaxshard.rule import (
+    Link,
+    Region,
+    primitive,
+    register_annotation,
+    register_boundary,
+    register_region,
+)
 
 
 def call_region(eqn: JaxprEqn) -> list[Region]:
@@ -63,3 +70,28 @@ def shard_map_boundary(eqn: JaxprEqn) -> tuple[list[PartitionSpec], list[Partiti
     ins = [full(s, v) for s, v in zip(eqn.params["in_specs"], eqn.invars)]
     outs = [full(s, v) for s, v in zip(eqn.params["out_specs"], eqn.outvars)]
     return ins, outs
+
+
+@register_annotation(p.sharding_constraint_p)
+def sharding_constraint_annotation(eqn: JaxprEqn) -> tuple[list, list]:
+    """A user's `with_sharding_constraint` pins its result like a hint: every dim its spec
+    names or leaves out is pinned, `P.UNCONSTRAINED` dims are left to the planner.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P, AxisType
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+        >>> f = lambda x: jax.lax.with_sharding_constraint(x, P("data"))
+        >>> with jax.set_mesh(mesh):
+        ...     eqn = jax.make_jaxpr(f)(jnp.ones((8, 4))).eqns[0]
+        >>> sharding_constraint_annotation(eqn)
+        ([None], [P('data', None)])
+    """
+    spec = getattr(eqn.params["sharding"], "spec", None)
+    if spec is None:  # not a NamedSharding: nothing jaxshard can read
+        return [None], [None]
+    rank = len(eqn.outvars[0].aval.shape)
+    open_dims = eqn.params.get("unconstrained_dims", frozenset())
+    entries = list(spec) + [None] * (rank - len(spec))
+    entries = [PartitionSpec.UNCONSTRAINED if d in open_dims else e for d, e in enumerate(entries)]
+    return [None], [PartitionSpec(*entries)]
