@@ -3,8 +3,10 @@
 ``python -m jaxshard rules`` lists the primitives the catalogue covers.
 ``python -m jaxshard missing examples/gpt.py:factory`` lists the primitives of a
 function that have no rule. ``python -m jaxshard explain examples/gpt.py:factory
---mesh data=2,model=4 --hint 'batch/.*=data'`` prints the plan. A factory returns
-``(fn, args)`` or ``(fn, args, hints)``; args may be `jax.ShapeDtypeStruct`s.
+--mesh data=2,model=4 --hint 'batch/.*=data'`` prints the plan; ``verify`` compiles it
+and reports every collective the plan did not predict (exit 1 on a surprise);
+``report -o plan.html`` writes the HTML report. A factory returns ``(fn, args)`` or
+``(fn, args, hints)``; args may be `jax.ShapeDtypeStruct`s.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     for command, text in (
         ("missing", "list a function's primitives without a rule"),
         ("explain", "print a plan"),
+        ("verify", "compile the plan and compare its collectives with the predictions"),
+        ("report", "write the plan as a self-contained HTML page"),
     ):
         p = sub.add_parser(command, help=text)
         p.add_argument("target", help="MODULE:FACTORY returning (fn, args) or (fn, args, hints)")
@@ -85,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(
             "--hint", action="append", default=[], help="REGEX=SPEC, e.g. 'batch/.*=data'"
         )
+        if command == "report":
+            p.add_argument(
+                "-o", "--output", default="jaxshard-report.html", help="where to write the page"
+            )
     args = parser.parse_args(argv)
     if args.command == "rules":
         from jaxshard.rule import covered_primitives
@@ -115,7 +123,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{prim}\t{line}")
         print(f"{len(graph.unknown)} primitive(s) without a rule", file=sys.stderr)
         return 0
-    print(make_plan(fn, fn_args, {}, mesh, hints).explain())
+    plan = make_plan(fn, fn_args, {}, mesh, hints)
+    if args.command == "verify":
+        result = plan.verify()
+        print(result)
+        return 0 if result.ok else 1
+    if args.command == "report":
+        from jaxshard.report import write_report
+
+        write_report(plan, args.output, title=args.target)
+        print(args.output)
+        return 0
+    print(plan.explain())
     return 0
 
 

@@ -69,3 +69,12 @@ def test_unknown_primitive_warns_once_and_is_a_boundary(mesh):
 )
 def test_parse_spec(text, spec):
     assert parse_spec(text) == spec
+
+
+def test_verify_and_report_commands(capsys, tmp_path):
+    target = os.path.join(ROOT, "examples", "mlp.py:factory")
+    assert main(["verify", target]) == 0
+    assert "as planned" in capsys.readouterr().out
+    page = tmp_path / "plan.html"
+    assert main(["report", target, "-o", str(page)]) == 0
+    assert "params/layers/0/w" in page.read_text()
