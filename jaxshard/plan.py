@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxshard.annotate import Pin, match_hints, merge_pins
 from jaxshard.cost import nbytes, per_device_bytes, reshard_cost
+from jaxshard.errors import ShardingError
 from jaxshard.graph import Graph, build_graph
 from jaxshard.lattice import DimSharding, to_spec
 from jaxshard.propagate import Conflict, Origin, Propagator
@@ -211,6 +213,39 @@ class Plan:
             return f"propagated from {origin.text} via {via}"
         return f"propagated via {via}"
 
+    def to_json(self) -> str:
+        """The plan as deterministic, versioned JSON: every value's layout plus the mesh,
+        argument and result shapes it was made for.
+
+        Example:
+            >>> text = plan.to_json()  # doctest: +SKIP
+            >>> step = jaxshard.auto_shard(mesh, plan=jaxshard.Plan.from_json(text))(fn)  # doctest: +SKIP
+        """
+        record = _record(self.traced, self.graph, self.mesh)
+        record["dims"] = [_dims_to_json(d) for d in self.dims]
+        record["out_dims"] = [_dims_to_json(d) for d in self.out_dims]
+        return json.dumps(record, sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> SavedPlan:
+        """Read a plan written by `to_json`; an unknown format or version is an error.
+
+        Example:
+            >>> saved = Plan.from_json(plan.to_json())  # doctest: +SKIP
+        """
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ShardingError(f"not a jaxshard plan: {e}") from None
+        if not isinstance(record, dict) or record.get("format") != PLAN_FORMAT:
+            raise ShardingError("not a jaxshard plan: the JSON has no 'format': 'jaxshard-plan'")
+        if record.get("version") != PLAN_VERSION:
+            raise ShardingError(
+                f"plan version {record.get('version')} is not supported (this jaxshard reads "
+                f"version {PLAN_VERSION}); plan again with this version"
+            )
+        return SavedPlan(record)
+
     def verify(self, lowered: Any = None) -> Any:
         """Compile the plan's program and compare its collectives with the predictions;
         see `jaxshard.verify.verify`.
@@ -285,12 +320,74 @@ def _duplicate(app, seen: set) -> bool:
     return False
 
 
+PLAN_FORMAT, PLAN_VERSION = "jaxshard-plan", 1
+
+
+@dataclass(frozen=True)
+class SavedPlan:
+    """A plan read from JSON (`Plan.from_json`): every value's layout, and what it was made
+    for (mesh, argument and result shapes and dtypes). Give it to ``auto_shard(mesh,
+    plan=...)`` or `make_plan(..., saved=...)` to reuse it without planning again."""
+
+    record: dict
+
+    @property
+    def in_specs(self) -> dict[str, PartitionSpec]:
+        """``{argument path: PartitionSpec}``."""
+        dims = self.record["dims"]
+        return {
+            a["name"]: to_spec(_dims_from_json(dims[a["value"]])) for a in self.record["inputs"]
+        }
+
+    def differences(self, other: dict) -> list[str]:
+        """What differs from another record's mesh, arguments and results, one line each."""
+        out = []
+        for key in ("mesh", "inputs", "outputs", "values"):
+            mine, theirs = self.record[key], other[key]
+            if key in ("inputs", "outputs") and len(mine) == len(theirs):
+                out += [f"{key[:-1]} {m['name']}: saved {_leaf_text(m)}, now {_leaf_text(t)}"
+                        for m, t in zip(mine, theirs) if m != t]  # fmt: skip
+            elif mine != theirs:
+                out.append(f"{key}: saved {mine}, now {theirs}")
+        return out
+
+
+def _leaf_text(leaf: dict) -> str:
+    return f"{leaf['name']} {leaf['dtype']}{tuple(leaf['shape'])}"
+
+
+def _dims_to_json(dims) -> list:
+    return [None if d is None else list(d) for d in dims]
+
+
+def _dims_from_json(dims) -> tuple:
+    return tuple(None if d is None else tuple(d) for d in dims)
+
+
+def _record(traced: Traced, graph: Graph, mesh: Mesh) -> dict:
+    leaf = lambda name, vid: {  # noqa: E731
+        "name": name,
+        "value": vid,
+        "shape": list(graph.shapes[vid]),
+        "dtype": str(graph.dtypes[vid]),
+    }
+    return {
+        "format": PLAN_FORMAT,
+        "version": PLAN_VERSION,
+        "mesh": {"axes": list(mesh.axis_names), "sizes": list(mesh.devices.shape)},
+        "inputs": [leaf(n, v) for n, v in zip(traced.in_names, graph.in_vids)],
+        "outputs": [leaf(n, v) for n, v in zip(traced.out_names, graph.out_vids)],
+        "values": len(graph.shapes),
+    }
+
+
 def make_plan(
     fn: Callable,
     args: tuple,
     kwargs: dict,
     mesh: Mesh,
     hints: Mapping[str, PartitionSpec] | None = None,
+    saved: SavedPlan | None = None,
 ) -> Plan:
     """Run every planning stage for ``fn(*args, **kwargs)`` on ``mesh``.
 
@@ -302,12 +399,17 @@ def make_plan(
         ...                  {"x": P("data"), "w": P(None, "model")})
         >>> plan.out_specs
         P('data', 'model')
+
+    With ``saved`` (from `Plan.from_json`), nothing is propagated: every value takes
+    its saved layout, after checking the mesh, shapes and dtypes match.
     """
     sizes = mesh_axis_sizes(mesh)
     with jax.set_mesh(auto_view(mesh)):  # trace as the lowered program will replay it
         traced = trace(fn, args, kwargs)
     with _gc_paused():
         graph = build_graph(traced, sizes)
+        if saved is not None:
+            return _replan(traced, graph, mesh, saved)
         names = list(traced.in_names) + list(traced.out_names)
         vids = list(graph.in_vids) + list(graph.out_vids)
         pins: dict[int, Pin] = dict(graph.pins)
@@ -323,6 +425,22 @@ def make_plan(
         prop.default(graph.in_vids, "replicated: no hint or propagation reached it")
         prop.default(range(len(graph.shapes)), "replicated: no hint or propagation reached it")
         return Plan(traced, graph, prop, mesh)
+
+
+def _replan(traced: Traced, graph: Graph, mesh: Mesh, saved: SavedPlan) -> Plan:
+    diffs = saved.differences(_record(traced, graph, mesh))
+    if diffs:
+        raise ShardingError(
+            "the saved plan does not match this function, arguments or mesh:\n  "
+            + "\n  ".join(diffs)
+            + "\nPlan again (drop plan=...) or load the plan made for these shapes."
+        )
+    prop = Propagator(graph, mesh_axis_sizes(mesh))
+    for vid, dims in enumerate(saved.record["dims"]):
+        prop.pin(vid, Pin(_dims_from_json(dims), "saved plan"))
+    plan = Plan(traced, graph, prop, mesh)
+    plan.out_dims = [_dims_from_json(d) for d in saved.record["out_dims"]]
+    return plan
 
 
 @contextlib.contextmanager

@@ -312,7 +312,9 @@ def _check_declared_combination(
 
     out_specs = tuple(P() for _ in rule.results)
     in_specs = tuple(s.spec for s in in_shardings)
-    mapped = jax.shard_map(local, mesh=mesh2, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    mapped = jax.shard_map(
+        local, mesh=mesh2, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
     ops = [jax.device_put(invals[i], s) for i, s in zip(positions, in_shardings)]
     combined = jax.jit(mapped)(*ops)
     for i, (a, e) in enumerate(zip(combined, expected)):

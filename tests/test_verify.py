@@ -12,7 +12,11 @@ from jax.sharding import PartitionSpec as P
 import jaxshard
 from jaxshard.verify import Collective, _parse_groups, compiled_collectives, verify
 
-GPT_HINTS = {r"batch/.*": P("data"), r"params/.*/wq": P(None, "model"), r"params/.*/w1": P(None, "model")}
+GPT_HINTS = {
+    r"batch/.*": P("data"),
+    r"params/.*/wq": P(None, "model"),
+    r"params/.*/w1": P(None, "model"),
+}
 MOE_HINTS = {r"batch/.*": P("data"), r"params/experts/w_in": P("model")}
 
 
@@ -26,7 +30,9 @@ def _step(name, hints, mesh):
     return jaxshard.auto_shard(mesh, hints)(step), args
 
 
-@pytest.mark.parametrize("name, hints", [("gpt", GPT_HINTS), ("moe", MOE_HINTS)], ids=["gpt", "moe"])
+@pytest.mark.parametrize(
+    "name, hints", [("gpt", GPT_HINTS), ("moe", MOE_HINTS)], ids=["gpt", "moe"]
+)
 def test_plans_verify_without_surprises(mesh, name, hints):
     step, args = _step(name, hints, mesh)
     result = step.plan(*args).verify(step.lower(*args))
@@ -38,14 +44,22 @@ def test_planted_surprise_is_caught(mesh):
     def f(x, w):
         return jnp.tanh(x @ w)
 
-    plan = jaxshard.make_plan(f, (jnp.ones((8, 16)), jnp.ones((16, 32))), {}, mesh, {"x": P("data")})
+    plan = jaxshard.make_plan(
+        f, (jnp.ones((8, 16)), jnp.ones((16, 32))), {}, mesh, {"x": P("data")}
+    )
     assert plan.reshards == []
-    tanh_in = next(a.operands[0] for a in plan.graph.apps if a.eqn is not None and a.eqn.primitive.name == "tanh")
+    tanh_in = next(
+        a.operands[0]
+        for a in plan.graph.apps
+        if a.eqn is not None and a.eqn.primitive.name == "tanh"
+    )
     plan.dims[tanh_in] = ((), ("data",))  # plant: the matmul result moved to another layout
     plan.graph.pins[tanh_in] = None  # make the lowering pin it
     result = verify(plan)
     assert not result.ok
-    assert any(s.startswith("not predicted: all-to-all over data") for s in result.surprises), result.surprises
+    assert any(s.startswith("not predicted: all-to-all over data") for s in result.surprises), (
+        result.surprises
+    )
 
 
 def test_user_sharding_constraint_is_a_pin(mesh):
@@ -63,7 +77,10 @@ def test_user_sharding_constraint_is_a_pin(mesh):
         ("replica_groups={{0,1,2,3},{4,5,6,7}}, x", [[0, 1, 2, 3], [4, 5, 6, 7]]),
         ("replica_groups=[2,4]<=[8], x", [[0, 1, 2, 3], [4, 5, 6, 7]]),
         ("replica_groups=[4,2]<=[2,4]T(1,0), x", [[0, 4], [1, 5], [2, 6], [3, 7]]),
-        ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, x", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+        (
+            "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, x",
+            [[0, 4], [1, 5], [2, 6], [3, 7]],
+        ),
     ],
     ids=["explicit", "iota", "iota-transposed", "mesh"],
 )
