@@ -40,16 +40,22 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([line(header), line(["-" * max(w, 6) for w in widths]), *map(line, rows)])
 
 
-def explain_plan(plan: Plan, max_reshards: int = 40) -> str:
-    """The text of `Plan.explain`.
+def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False) -> str:
+    """The text of `Plan.explain`; with ``intermediates``, every equation's results too,
+    named by primitive and user source line.
 
     Example:
-        >>> print(explain_plan(plan))  # doctest: +SKIP
+        >>> print(explain_plan(plan, intermediates=True))  # doctest: +SKIP
     """
     g, sizes = plan.graph, plan.axis_sizes
     rows = []
     named = [(n, v, plan.dims[v]) for n, v in zip(plan.traced.in_names, g.in_vids)]
     named += [(n, v, d) for n, v, d in zip(plan.traced.out_names, g.out_vids, plan.out_dims)]
+    if intermediates:
+        for app in g.apps:
+            if app.kind == "eqn":
+                label = app.describe()
+                named += [(f"%{v} = {label}", v, plan.dims[v]) for v in app.results if v not in g.names]
     for name, vid, dims in named:
         shape, dtype = g.shapes[vid], g.dtypes[vid]
         rows.append(

@@ -258,15 +258,17 @@ class Plan:
 
         return verify(self, lowered)
 
-    def explain(self) -> str:
-        """A readable table of every argument and result, the reshards, and totals.
+    def explain(self, intermediates: bool = False) -> str:
+        """A readable table of every argument and result (and, with ``intermediates``,
+        every equation's results), the reshards, the conflicts and why they were decided
+        as they were, and totals.
 
         Example:
             >>> print(plan.explain())  # doctest: +SKIP
         """
         from jaxshard.explain import explain_plan
 
-        return explain_plan(self)
+        return explain_plan(self, intermediates=intermediates)
 
 
 def _dead_apps(g: Graph) -> set[int]:

@@ -125,3 +125,10 @@ def test_shard_map_disagreeing_with_a_hint_is_an_error(mesh):
         jaxshard.ShardingError, match=r"shard_map at .*test_propagation.py.* disagree on dim 0"
     ):
         make_plan(lambda x: jaxshard.hint(inner(x), P("model")), (X,), {}, mesh)
+
+
+def test_explain_lists_intermediates_on_request(mesh):
+    plan = make_plan(mlp2, (X, W1, W2), {}, mesh, {"x": P("data"), "w1": P(None, "model")})
+    assert "tanh at" not in plan.explain()
+    text = plan.explain(intermediates=True)
+    assert "= tanh at" in text and "test_propagation.py" in text and "P('data', 'model')" in text
