@@ -314,9 +314,11 @@ def resolve_hint_specs(
 
 # --- Linen boxes inside a traced step -------------------------------------------------
 # Linen's ``Partitioned.unbox`` adds ``with_sharding_constraint`` when a mesh is set (and
-# jaxshard traces under one). Inside the traced step the boxes are swapped for subclasses
-# that unbox without the constraint (jaxshard pins the layout), and swapped back on the
-# way out, so the step's results keep the argument's tree structure.
+# jaxshard traces under one), with Flax's reading of the names: open and unruled dims
+# become replicated, which would pin what the hints leave to the planner. Inside the
+# traced step the boxes are swapped for subclasses that unbox without the constraint
+# (the metadata hints pin the layout), and swapped back on the way out, so the step's
+# results keep the argument's tree structure.
 
 
 @functools.cache
