@@ -142,8 +142,15 @@ def match_hints(
         except re.error as e:
             raise ShardingError(f"hint key {key!r} is not a valid regex: {e}") from None
     pins: dict[int, Pin] = {}
+    by_name: dict[str, list[int]] = {}
+    for i, n in enumerate(names):
+        by_name.setdefault(n, []).append(i)
     for key, pattern, spec in compiled:
-        hits = [i for i, n in enumerate(names) if pattern.fullmatch(n)]
+        literal = _literal(key)
+        if literal is not None:  # an exact path (e.g. from Flax metadata): a dict lookup
+            hits = by_name.get(literal, [])
+        else:
+            hits = [i for i, n in enumerate(names) if pattern.fullmatch(n)]
         if not hits:
             shown = ", ".join(names[:60]) + (
                 f", ... ({len(names) - 60} more)" if len(names) > 60 else ""
@@ -159,6 +166,22 @@ def match_hints(
             pin = pin_from_spec(spec, shapes[i], axis_sizes, names[i], source)
             pins[i] = merge_pins(pins[i], pin, names[i]) if i in pins else pin
     return pins
+
+
+_COMMENT = re.compile(r"\(\?#[^)]*\)$")
+
+
+def _literal(key: str) -> str | None:
+    """The path a hint key matches exactly when it is an escaped literal (optionally with
+    a trailing ``(?#...)`` comment), else None.
+
+    Example:
+        >>> _literal(re.escape("params/l0/w.1") + "(?#Flax metadata)"), _literal("params/.*")
+        ('params/l0/w.1', None)
+    """
+    body = _COMMENT.sub("", key)
+    plain = re.sub(r"\\(.)", r"\1", body)
+    return plain if re.escape(plain) == body else None
 
 
 def merge_pins(a: Pin, b: Pin, where: str) -> Pin:

@@ -39,7 +39,7 @@ from jaxshard.flax_meta import (
     restore_linen_boxes,
 )
 from jaxshard.lower import Lowered
-from jaxshard.plan import Plan, auto_view, make_plan, mesh_axis_sizes
+from jaxshard.plan import Plan, SavedPlan, auto_view, make_plan, mesh_axis_sizes
 from jaxshard.trace import abstractify, arg_names
 
 # Metadata hints are exact paths with a regex comment, so explanations and errors say
@@ -90,12 +90,18 @@ class AutoShard:
         donate_argnums: int | Sequence[int] = (),
         donate_argnames: str | Sequence[str] = (),
         donate_state: bool = False,
+        plan: SavedPlan | None = None,
     ):
         if not isinstance(mesh, Mesh):
             raise ShardingError(f"auto_shard needs a jax.sharding.Mesh, got {type(mesh).__name__}")
         self.fn, self.mesh, self.hints = fn, mesh, dict(hints or {})
         self.logical_axis_rules = check_rules(logical_axis_rules)
         self.flax_metadata, self.donate_state = flax_metadata, donate_state
+        if plan is not None and not isinstance(plan, SavedPlan):
+            raise ShardingError(
+                f"plan= takes a saved plan (jaxshard.Plan.from_json(text)), got {type(plan).__name__}"
+            )
+        self.saved_plan = plan
         try:
             self._signature: inspect.Signature | None = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -184,7 +190,7 @@ class AutoShard:
         if self.flax_metadata:
             for key, spec in self._metadata_hints(fn, dyn_args, dyn_kwargs).items():
                 hints[key] = spec
-        plan = make_plan(fn, dyn_args, dyn_kwargs, self.mesh, hints)
+        plan = make_plan(fn, dyn_args, dyn_kwargs, self.mesh, hints, saved=self.saved_plan)
         self.plans_made += 1
         donated = set()
         paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
@@ -392,6 +398,7 @@ def auto_shard(
     donate_argnums: int | Sequence[int] = (),
     donate_argnames: str | Sequence[str] = (),
     donate_state: bool = False,
+    plan: SavedPlan | None = None,
 ) -> Callable[[Callable], AutoShard]:
     """Decorate a function so jaxshard plans its sharding on ``mesh`` and runs it sharded.
 
@@ -411,6 +418,11 @@ def auto_shard(
     those arguments' buffers, and ``donate_state=True`` donates every argument the
     function returns a new value of (params, optimizer state). Nothing is donated by
     default, as in `jax.jit`.
+
+    ``plan`` reuses a plan saved with ``Plan.to_json`` (read back with
+    ``jaxshard.Plan.from_json``): nothing is propagated, the same layouts on every host
+    of a multi-host job; a plan made for other shapes, dtypes or mesh is an error listing
+    the differences.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -436,6 +448,7 @@ def auto_shard(
             donate_argnums=donate_argnums,
             donate_argnames=donate_argnames,
             donate_state=donate_state,
+            plan=plan,
         )
 
     return wrap
