@@ -55,7 +55,9 @@ def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False
         for app in g.apps:
             if app.kind == "eqn":
                 label = app.describe()
-                named += [(f"%{v} = {label}", v, plan.dims[v]) for v in app.results if v not in g.names]
+                named += [
+                    (f"%{v} = {label}", v, plan.dims[v]) for v in app.results if v not in g.names
+                ]
     for name, vid, dims in named:
         shape, dtype = g.shapes[vid], g.dtypes[vid]
         rows.append(
