@@ -1,0 +1,485 @@
+"""A catalogue of bad (and awkward but valid) input: each case asserts the exact exception
+or warning type and that the message names the culprit (key path, hint key, primitive or
+source line); valid-but-unusual input (zero-size arrays, scalars, int and bool arrays,
+dtype changes, device subsets) plans, runs and matches unsharded ``jax.jit``.
+
+Cases already in tests/test_errors.py are not repeated here: an unknown axis, a spec
+longer than the rank, an axis twice inside one tuple entry, overlapping hints that
+disagree, a non-divisible argument dim, the invalid regex ``batch/(x``, a tuple as a hint
+value, a hint that matches nothing, a bad axis in ``jaxshard.hint``, a ``str`` leaf, and a
+non-Mesh mesh. The cases below are variants those miss (a tuple entry, two dims, rank 0,
+a result path, a nested leaf path, exact source lines, ...) plus the rest of the issue's
+list. Strict xfails are jaxshard bugs, each described in its reason.
+"""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxshard
+from jaxshard import JaxshardWarning, ShardingError
+
+W = jax.ShapeDtypeStruct((12, 16), jnp.float32)
+X = jax.ShapeDtypeStruct((8, 12), jnp.float32)
+
+
+def f(params, batch):
+    return jnp.tanh(batch["x"] @ params["w"])
+
+
+ARGS = ({"w": W}, {"x": X})
+
+
+def plan(mesh, hints, fn=f, args=ARGS, **kwargs):
+    return jaxshard.auto_shard(mesh, hints)(fn).plan(*args, **kwargs)
+
+
+def line_of(fn, offset=1):
+    """The source line ``offset`` lines below ``def`` of a nested function."""
+    return fn.__code__.co_firstlineno + offset
+
+
+# --- hints dict: bad specs -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "hints, error",
+    [
+        pytest.param(
+            {"params/w": P(("data", "nope"))},
+            r"params/w \(hint 'params/w'.*\): mesh axis 'nope' is not in the mesh, whose axes "
+            r"are \('data', 'model'\)",
+            id="unknown-axis-in-a-tuple-entry",
+        ),
+        pytest.param(
+            {"params/w": P("data", "data")},
+            r"params/w \(hint 'params/w': P\('data', 'data'\)\): mesh axis 'data' is used twice",
+            id="one-axis-on-two-dims",
+        ),
+        pytest.param(
+            {"out": P(None, "model", None)},
+            r"out: hint 'out': P\(None, 'model', None\) has 3 entries but the array has rank 2 "
+            r"\(shape \(8, 16\)\)",
+            id="result-spec-too-long",
+        ),
+        pytest.param(
+            {"batch/x": P(None, ("model", "data"))},
+            r"batch/x \(hint 'batch/x'.*\): dim 1 has size 12, which mesh axes "
+            r"\('model', 'data'\) \(size 8\) do not divide",
+            id="non-divisible-two-axes",
+        ),
+    ],
+)
+def test_bad_spec_in_hints_names_path_and_hint(mesh, hints, error):
+    with pytest.raises(ShardingError, match=error):
+        plan(mesh, hints)
+
+
+def test_non_divisible_result_dim_forced_by_a_hint(mesh):
+    # out = tanh(x @ w) is (8, 6): 'model' (4) does not divide 6
+    args = ({"w": jax.ShapeDtypeStruct((12, 6), jnp.float32)}, {"x": X})
+    error = (
+        r"out \(hint 'out': P\(None, 'model'\)\): dim 1 has size 6, which mesh axes \('model',\)"
+    )
+    with pytest.raises(ShardingError, match=error):
+        plan(mesh, {"out": P(None, "model")}, args=args)
+
+
+def test_spec_on_a_scalar_is_too_long(mesh):
+    error = r"scale: hint 'scale': P\(None\) has 1 entries but the array has rank 0 \(shape \(\)\)"
+    with pytest.raises(ShardingError, match=error):
+        plan(mesh, {"scale": P(None)}, fn=lambda x, scale: x * scale, args=(X, jnp.float32(2)))
+
+
+def test_empty_spec_on_a_scalar_is_fine(mesh):
+    p = plan(mesh, {"scale": P()}, fn=lambda x, scale: x * scale, args=(X, jnp.float32(2)))
+    assert p.in_specs == (P(), P())
+
+
+def test_invalid_regex_names_key_and_reason(mesh):
+    with pytest.raises(
+        ShardingError, match=r"hint key '\*' is not a valid regex: nothing to repeat"
+    ):
+        plan(mesh, {"*": P("data")})
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param(
+            "data",
+            id="str",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="jaxshard bug: a str hint value is rendered character by character: "
+                "\"x: hint 'x': P('d', 'a', 't', 'a') is a str\" (annotate._spec_text iterates it)",
+            ),
+        ),
+        pytest.param(
+            None,
+            id="None",
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=TypeError,
+                reason="jaxshard bug: a None hint value crashes with TypeError \"'NoneType' "
+                'object is not iterable" (annotate._spec_text runs before the type check)',
+            ),
+        ),
+        pytest.param(
+            "named",
+            id="NamedSharding",
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=TypeError,
+                reason="jaxshard bug: a NamedSharding hint value crashes with TypeError "
+                "\"'NamedSharding' object is not iterable\" (annotate._spec_text)",
+            ),
+        ),
+    ],
+)
+def test_hint_value_that_is_not_a_spec_names_key_and_value(mesh, value):
+    if value == "named":
+        value = NamedSharding(mesh, P("data"))
+    with pytest.raises(
+        ShardingError, match=r"x: hint 'x'.* give a jax.sharding.PartitionSpec"
+    ) as e:
+        plan(mesh, {"x": value}, fn=lambda x: x * 2, args=(X,))
+    assert repr(value) in str(e.value) or type(value).__name__ in str(e.value)
+    assert "P('d', 'a'" not in str(e.value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="jaxshard bug: hints=P('data') (a spec instead of a dict) raises a bare ValueError "
+    "'dictionary update sequence element #0 has length 4; 2 is required' from dict(hints) in "
+    "AutoShard.__init__, not a ShardingError saying hints must map regexes to specs",
+)
+def test_hints_that_are_not_a_mapping(mesh):
+    with pytest.raises(ShardingError, match=r"hints.*PartitionSpec"):
+        jaxshard.auto_shard(mesh, P("data"))(lambda x: x)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=TypeError,
+    reason="jaxshard bug: a hint key that is not a str raises a bare TypeError without naming "
+    "the key: 0 gives re's 'first argument must be string or compiled pattern' "
+    "(annotate.match_hints catches re.error only); a compiled re.Pattern, which planned "
+    "correctly before commit f070f8d, now gives 'expected string or bytes-like object, got "
+    "re.Pattern' from annotate._literal",
+)
+@pytest.mark.parametrize("key", [0, re.compile(r"batch/.*")], ids=["int", "compiled-pattern"])
+def test_hint_key_that_is_not_a_string(mesh, key):
+    # an int must be rejected naming it; a compiled pattern may be accepted (it is a regex)
+    # or rejected the same way, but never with a bare TypeError
+    try:
+        p = plan(mesh, {key: P("data")})
+    except ShardingError as e:
+        assert repr(key) in str(e) and "hint key" in str(e)
+    else:
+        assert not isinstance(key, int) and p.in_specs[1] == {"x": P("data")}
+
+
+# --- hints that disagree ---------------------------------------------------------------
+
+
+def test_in_function_hint_and_result_hint_disagree(mesh):
+    def g(x):
+        return jaxshard.hint(x * 2, P("data"))
+
+    with pytest.raises(
+        ShardingError, match=r"out: .* and hint 'out': P\('model'\) disagree on dim 0"
+    ):
+        plan(mesh, {"out": P("model")}, fn=g, args=(X,))
+
+
+def test_two_in_function_hints_on_one_value_name_the_source_line(mesh):
+    def g(x):
+        y = jaxshard.hint(x * 2, P("data"))
+        return jaxshard.hint(y, P("model"))
+
+    error = rf"jaxshard.hint at .*test_bad_input.py:{line_of(g, 2)}\b.* disagree on dim 0"
+    with pytest.raises(ShardingError, match=error):
+        plan(mesh, {}, fn=g, args=(X,))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="jaxshard bug: when in-function hints disagree (with each other or with a hints "
+    "dict entry) the message calls an in-function hint 'the hint' without its source line "
+    "('the hint and the hint disagree on dim 0') and advises 'Make the regexes not overlap'",
+)
+@pytest.mark.parametrize("other", ["in-function", "hints-dict"])
+def test_disagreeing_in_function_hints_are_each_named_by_line(mesh, other):
+    def g(x):
+        y = jaxshard.hint(x * 2, P("data"))
+        return jaxshard.hint(y, P("model")) if other == "in-function" else y
+
+    hints = {"out": P("model")} if other == "hints-dict" else {}
+    with pytest.raises(ShardingError) as e:
+        plan(mesh, hints, fn=g, args=(X,))
+    assert f"test_bad_input.py:{line_of(g, 1)}" in str(e.value)
+    assert "the hint and" not in str(e.value) and "regexes" not in str(e.value)
+
+
+def test_shard_map_disagreeing_with_an_argument_hint(mesh):
+    inner = jax.shard_map(lambda a: a * 2, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+
+    def g(x):
+        return inner(x)
+
+    error = (
+        rf"x: shard_map at .*test_bad_input.py:{line_of(g)}\b.* and hint 'x': P\('model'\) "
+        r"disagree on dim 0 \('data' vs 'model'\)"
+    )
+    with pytest.raises(ShardingError, match=error):
+        plan(mesh, {"x": P("model")}, fn=g, args=(X,))
+
+
+def test_shard_map_disagreeing_with_a_result_hint(mesh):
+    inner = jax.shard_map(lambda a: a * 2, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+
+    def g(x):
+        return inner(x)
+
+    error = rf"out: shard_map at .*test_bad_input.py:{line_of(g)}\b.* and hint 'out'"
+    with pytest.raises(ShardingError, match=error):
+        plan(mesh, {"out": P(None, "model")}, fn=g, args=(X,))
+
+
+def test_shard_map_on_another_mesh_passes_jax_error_through(mesh):
+    other = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+    inner = jax.shard_map(lambda a: a * 2, mesh=other, in_specs=P("a"), out_specs=P("a"))
+    with pytest.raises(ValueError, match=r"should match the mesh passed to shard_map.*'a': 4"):
+        plan(mesh, {}, fn=lambda x: inner(x), args=(X,))
+
+
+# --- jaxshard.hint inside the function ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, error",
+    [
+        (P(None, ("model", "data")), r"dim 1 has size 12, which mesh axes \('model', 'data'\)"),
+        (P("data", "data"), r"mesh axis 'data' is used twice"),
+        (P(None, None, "data"), r"has 3 entries but the array has rank 2"),
+        (P(("model", "nope")), r"mesh axis 'nope' is not in the mesh"),
+    ],
+    ids=["non-divisible", "axis-twice", "too-long", "unknown-axis-in-tuple"],
+)
+def test_bad_in_function_hint_names_its_exact_line(mesh, spec, error):
+    def g(x):
+        return jaxshard.hint(x + 1, spec)
+
+    where = rf"jaxshard.hint at .*test_bad_input.py:{line_of(g)}\b"
+    with pytest.raises(ShardingError, match=where + ".*" + error):
+        plan(mesh, {}, fn=g, args=(X,))
+
+
+# --- paths -------------------------------------------------------------------------------
+
+
+def test_hint_matching_no_path_lists_them(mesh):
+    # "params" is a prefix of every params path, but keys are fully matched
+    with pytest.warns(JaxshardWarning, match=r"'params' matched no .*: params/w, batch/x, out"):
+        plan(mesh, {"params": P("data")})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="jaxshard bug: JaxshardWarnings raised while planning through AutoShard (a hint "
+    "that matches nothing, a primitive without a rule) point at jaxshard/api.py, not at the "
+    "caller's line (the stacklevel counts make_plan's frames only)",
+)
+def test_hint_matching_nothing_warns_at_the_callers_line(mesh):
+    with pytest.warns(JaxshardWarning) as record:
+        plan(mesh, {"params": P("data")})
+    assert record[0].filename == __file__
+
+
+def test_non_array_leaf_deep_in_a_list_names_its_path(mesh):
+    error = r"argument leaf batch/extras/1 is a object, not an array"
+    with pytest.raises(ShardingError, match=error):
+        plan(mesh, {}, fn=lambda batch: batch["x"], args=({"x": X, "extras": [X, object()]},))
+
+
+def test_none_inside_a_list_is_an_empty_subtree(mesh):
+    p = plan(mesh, {"batch/0": P("data")}, fn=lambda batch: batch[0] * 2, args=([X, None],))
+    assert p.in_specs == ([P("data"), None],)
+
+
+def test_keyword_argument_paths(mesh):
+    p = plan(mesh, {"y": P("data")}, fn=lambda x, y: x + y, args=(X,), y=X)
+    assert p.in_specs == ((P("data"),), {"y": P("data")})
+
+
+# --- meshes ------------------------------------------------------------------------------
+
+
+def test_abstract_mesh_is_not_a_mesh():
+    abstract = jax.make_mesh((2, 4), ("data", "model")).abstract_mesh
+    with pytest.raises(
+        ShardingError, match=r"auto_shard needs a jax.sharding.Mesh, got AbstractMesh"
+    ):
+        jaxshard.auto_shard(abstract)(f)
+
+
+def test_mesh_on_a_subset_of_devices(mesh):
+    """A mesh whose devices are not all addressable cannot be built in a single-process run:
+    every device JAX reports belongs to this process, so there is nothing to put in such a
+    mesh (multi-process runs take the `_place` path in api.py and need
+    jax.distributed). A mesh on a subset of the local devices is valid and must work."""
+    assert jax.process_count() == 1
+    assert all(d.process_index == jax.process_index() for d in jax.devices())
+    sub = Mesh(np.array(jax.devices()[4:]).reshape(2, 2), ("data", "model"))
+    step = jaxshard.auto_shard(sub, {"x": P("data", "model")})(lambda x: jnp.sin(x) * 2)
+    x = np.arange(16, dtype=np.float32).reshape(4, 4)
+    out = step(x)
+    np.testing.assert_allclose(out, np.sin(x) * 2, rtol=1e-6)
+    assert out.sharding.device_set == set(jax.devices()[4:])
+    assert out.sharding.spec == P("data", "model")
+
+
+# --- the function itself -----------------------------------------------------------------
+
+
+def _python_if(batch):
+    if batch["x"].sum() > 0:
+        return batch["x"]
+    return -batch["x"]
+
+
+def _python_int(batch):
+    return jnp.zeros(int(batch["x"][0, 0]))
+
+
+TRACING_ERRORS = [
+    pytest.param(
+        _python_if, ({"x": X},), jax.errors.TracerBoolConversionError, id="if-on-a-tracer"
+    ),
+    pytest.param(
+        _python_int, ({"x": X},), jax.errors.ConcretizationTypeError, id="int-of-a-tracer"
+    ),
+]
+
+
+@pytest.mark.parametrize("fn, args, error", TRACING_ERRORS)
+def test_python_control_flow_on_traced_values_passes_jax_error_through(mesh, fn, args, error):
+    with pytest.raises(error):
+        plan(mesh, {}, fn=fn, args=args)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="jaxshard bug: a JAX tracing error is not annotated with jaxshard's argument path "
+    "or the user's function: JAX says 'while tracing the function flat_fn at "
+    "jaxshard/trace.py:... depends on the value of the argument flat[0]' (trace.py traces "
+    "a *flat wrapper); it should name the function and the path batch/x",
+)
+@pytest.mark.parametrize("fn, args, error", TRACING_ERRORS)
+def test_tracing_error_names_argument_path_and_function(mesh, fn, args, error):
+    with pytest.raises(error) as e:
+        plan(mesh, {}, fn=fn, args=args)
+    text = str(e.value) + "".join(getattr(e.value, "__notes__", []))
+    assert fn.__name__ in text and "flat_fn" not in text
+    assert "batch/x" in text, text
+
+
+def test_python_side_effects_run_once_per_plan(mesh):
+    seen = []
+
+    def g(x):
+        seen.append(x.shape)  # a Python side effect: runs while tracing, like jax.jit
+        return x * 2
+
+    step = jaxshard.auto_shard(mesh, {"x": P("data")})(g)
+    x = np.ones((8, 12), np.float32)
+    step(x)
+    step(x)
+    assert seen == [(8, 12)] and step.plans_made == 1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="jaxshard bug: jax.debug.print inside the function warns 'no sharding rule for: "
+    "debug_print' (an error under this suite's filterwarnings); a side-effect primitive "
+    "with no results needs a rule where its operands take part in no factor",
+)
+def test_debug_print_inside_the_function_plans_without_warning(mesh):
+    def g(x):
+        jax.debug.print("x[0, 0] = {}", x[0, 0])
+        return x * 2
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", JaxshardWarning)
+        assert plan(mesh, {"x": P("data")}, fn=g, args=(X,)).out_specs == P("data")
+
+
+def test_non_array_result_passes_jax_error_through(mesh):
+    with pytest.raises(TypeError, match=r"returned a value of type <class 'str'>"):
+        plan(mesh, {}, fn=lambda x: (x, "done"), args=(X,))
+
+
+# --- unusual but valid input: plans, runs, matches jax.jit ----------------------------------
+
+
+def run_both(mesh, hints, fn, *args):
+    step = jaxshard.auto_shard(mesh, hints)(fn)
+    got, want = step(*args), jax.jit(fn)(*args)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64), rtol=1e-5)
+    return step
+
+
+def test_dtype_change_between_calls_replans(mesh):
+    def g(x, w):
+        return jnp.tanh(x @ w)
+
+    step = jaxshard.auto_shard(mesh, {"x": P("data"), "w": P(None, "model")})(g)
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((8, 16), np.float32), rng.standard_normal((16, 8), np.float32)
+    for dtype, rtol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2), (jnp.float32, 1e-5)):
+        a, b = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+        out = step(a, b)
+        assert out.dtype == dtype
+        np.testing.assert_allclose(
+            np.asarray(out, np.float32), np.asarray(jax.jit(g)(a, b), np.float32), rtol=rtol
+        )
+    assert step.plans_made == 2  # float32, bfloat16; float32 again is cached
+
+
+def test_zero_size_arrays(mesh):
+    def g(x):
+        return jnp.tanh(x).sum(0), x.reshape(4, 0) * 2, x.T @ x
+
+    step = run_both(mesh, {"x": P("data", "model")}, g, np.zeros((0, 4), np.float32))
+    assert step.plan(np.zeros((0, 4), np.float32)).in_specs == (P("data", "model"),)
+
+
+def test_scalars_and_python_numbers(mesh):
+    def g(x, scale, shift, flag):
+        return x * scale + shift, jnp.where(flag, scale, -scale), (x * scale).sum()
+
+    x = np.arange(96, dtype=np.float32).reshape(8, 12)
+    step = run_both(mesh, {"x": P("data"), "scale": P()}, g, x, jnp.float32(3), 1.5, True)
+    assert step.plan(x, jnp.float32(3), 1.5, True).out_specs[2] == P()
+
+
+def test_int_and_bool_arrays_are_exact(mesh):
+    def g(x, mask):
+        return jnp.where(mask, x @ x.T, 0).sum(0), mask.any(1), (x * 3) // 2, ~mask
+
+    x = (np.arange(64, dtype=np.int32).reshape(8, 8) % 7) - 3
+    mask = x > 0
+    step = jaxshard.auto_shard(mesh, {"x": P("data", "model"), "mask": P(None, "model")})(g)
+    for got, want in zip(step(x, mask), jax.jit(g)(x, mask)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)

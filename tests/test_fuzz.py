@@ -1,0 +1,325 @@
+"""Property-based fuzzing of planning and lowering on random small programs, and the
+example models trained sharded vs unsharded.
+
+Programs, meshes and hints come from `fuzz_programs.cases`: elementwise ops with
+broadcasting (size-1 dims, rank-0 arguments, Python scalars), comparisons and selects,
+dot_general with random batch/contracting/free dims, reductions, reshapes (merge, split,
+any refactorization), transposes, slices, concatenations, broadcasts, gathers, scans
+over a stacked leading dim, in-function hints; float32, int32 and bool values; meshes
+(8,), (2,4), (4,2), (2,2,2), (1,8), (2,2) on 4 of the 8 devices and an Explicit (2,4);
+valid partial hints (axes, None, P.UNCONSTRAINED) on arguments and results. A failing
+example prints as a runnable reproducer.
+
+Properties:
+- planning terminates, with ``plan.visits`` within `visit_bound`;
+- every value gets a complete, valid layout: no open dim, each mesh axis at most once
+  per tensor, every dim divisible by its axes; pending partial sums only on results of
+  equations with a reduction factor;
+- every dim a hint pins (hints dict or ``jaxshard.hint``) keeps the hinted layout;
+- propagating the finished plan again changes nothing;
+- the layouts equations work in (both sides of every predicted reshard) are valid and a
+  partial sum is never over an axis that shards the value (a known bug: strict xfail);
+- the lowered program compiles and its numbers equal the unsharded ``jax.jit`` run
+  (float32: rtol 1e-5 with an absolute floor of 1e-5 of the result's largest magnitude,
+  for sums that cancel to near zero; ints and bools exactly), and each result comes back
+  in its planned layout.
+
+Profiles: the default (CI) profile is derandomized: 5 planning properties x 300 examples
+and 100 compile-and-run examples (about a minute on 2 cores).
+``JAXSHARD_FUZZ_PROFILE=large`` runs 10x as many, fresh random examples each run.
+"""
+
+import functools
+import math
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import models
+import numpy as np
+import optax
+import pytest
+from fuzz_programs import Arg, Case, cases
+from helpers import assert_leaves_match
+from hypothesis import HealthCheck, Phase, example, given, settings
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxshard
+from jaxshard.lattice import from_spec, to_spec
+from jaxshard.propagate import Propagator
+from jaxshard.rule import FactorKind
+
+settings.register_profile(
+    "jaxshard-default",
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "jaxshard-large", settings.get_profile("jaxshard-default"), derandomize=False
+)
+PROFILE = os.environ.get("JAXSHARD_FUZZ_PROFILE", "default")
+SCALE = {"default": 1, "large": 10}[PROFILE]
+BASE = settings.get_profile(f"jaxshard-{PROFILE}")
+PLANNING = settings(BASE, max_examples=300 * SCALE)
+RUNNING = settings(BASE, max_examples=100 * SCALE)
+
+
+def _pinned(body, hints, outs=("v0",)):
+    args = (Arg("a0", (8, 8), "float32"), Arg("a1", (8, 8), "float32"))
+    return Case("x8", args, body, outs, hints, n_ops=len(body))
+
+
+# Failures the fuzzer found, minimized: explicit examples of every property (so they are
+# always tried first) and regular tests below.
+PINNED = {
+    "add-rows-and-columns-on-x": _pinned(
+        ("v0 = p['a0'] + p['a1']",), {"p/a0": P("x"), "p/a1": P(None, "x")}
+    ),
+    "dot-contracting-and-free-on-x": _pinned(
+        ("v0 = p['a0'] @ p['a1']",), {"p/a0": P(None, "x"), "out/0": P(None, "x")}
+    ),
+}
+
+
+def pinned_examples(test):
+    for case in PINNED.values():
+        test = example(case=case)(test)
+    return test
+
+
+def _plan(case):
+    return jaxshard.make_plan(case.fn(), (case.abstract_args(),), {}, case.mesh(), case.hints)
+
+
+def visit_bound(graph) -> int:
+    """The most visits propagation can make.
+
+    A dim only ever goes from open to known: the engine writes a dim once (a known dim
+    is never refined or rewritten; conflicts are decided without writing), so each dim
+    climbs a lattice of height 2 here, well under the general bound of (number of mesh
+    axes + 2) for a dim that gains one axis at a time. An application is queued again
+    only when a dim of one of its values becomes known, at most once per round. So
+    application ``a`` is visited at most ``1 + (sum of the ranks of its distinct
+    values)`` times over the whole plan (pins, the fixed point and both default passes),
+    and in total at most ``#apps x (1 + arity x max rank)``.
+    """
+    return sum(1 + sum(len(graph.shapes[v]) for v in {*a.operands, *a.results}) for a in graph.apps)
+
+
+def assert_valid_layout(dims, shape, sizes, what):
+    """Complete, each mesh axis at most once, every dim divisible by its axes."""
+    used = [axis for axes in dims if axes for axis in axes]
+    assert len(dims) == len(shape) and None not in dims, what
+    assert set(used) <= set(sizes), what
+    assert len(used) == len(set(used)), f"{what}: a mesh axis used twice"
+    for size, axes in zip(shape, dims):
+        assert size % math.prod(sizes[a] for a in axes) == 0, f"{what}: does not divide"
+
+
+AXIS_ON_TWO_FACTORS = (
+    "jaxshard bug: at one application two different factors can take the same mesh axis "
+    "(e.g. x + y with x: P('x'), y: P(None, 'x')), so the working layout has an axis "
+    "twice (reshard P('x') -> P('x', 'x')) and a dot_general result can be partial over "
+    "the axis that shards it; see test_one_axis_on_two_factors_is_decided"
+)
+
+
+def working_layout_problems(plan) -> list[str]:
+    """What is wrong with the layouts the equations work in: both sides of every
+    predicted reshard must be valid, and a pending partial sum must not be over an axis
+    that also shards the value."""
+    g, sizes = plan.graph, plan.axis_sizes
+    problems = []
+    for r in plan.reshards:
+        for side, dims in (("source", r.src), ("target", r.dst)):
+            try:
+                assert_valid_layout(dims, g.shapes[r.vid], sizes, f"reshard {side}")
+            except AssertionError as e:
+                problems.append(f"{e}: {r}")
+    for vid, axes in plan.partial.items():
+        if axes & {axis for d in plan.dims[vid] for axis in d}:
+            problems.append(f"value {vid} {plan.dims[vid]} is partial over {set(axes)}")
+    return problems
+
+
+@PLANNING
+@given(case=cases(max_ops=8))
+@pinned_examples
+def test_planning_terminates_within_bound(case):
+    plan = _plan(case)
+    bound = visit_bound(plan.graph)
+    assert plan.visits <= bound, f"{plan.visits} visits for {len(plan.graph.apps)} apps"
+
+
+@PLANNING
+@given(case=cases(max_ops=8))
+@pinned_examples
+def test_every_value_gets_a_valid_complete_layout(case):
+    plan = _plan(case)
+    g, sizes = plan.graph, plan.axis_sizes
+    for vid, dims in enumerate(plan.dims):
+        where = f"value {vid} ({g.names.get(vid, 'intermediate')}) {g.shapes[vid]}: {dims}"
+        assert_valid_layout(dims, g.shapes[vid], sizes, where)
+    reducing = {
+        r
+        for a in g.apps
+        if any(f.kind is FactorKind.REDUCTION for f in a.rule.factors)
+        for r in a.results
+    }
+    for vid, axes in plan.partial.items():
+        assert vid in reducing, f"value {vid} partial over {set(axes)} but no reduction made it"
+        assert axes and axes <= set(sizes), f"value {vid} partial over {set(axes)}"
+    for name, dims, vid in zip(plan.traced.out_names, plan.out_dims, g.out_vids):
+        assert_valid_layout(dims, g.shapes[vid], sizes, name)
+        NamedSharding(case.mesh(), to_spec(dims)).shard_shape(g.shapes[vid])  # JAX agrees
+
+
+@pytest.mark.xfail(strict=True, reason=AXIS_ON_TWO_FACTORS)
+def test_every_working_layout_is_valid():
+    # Collected rather than raised inside hypothesis, so that while this is a known bug
+    # the suite neither shrinks nor writes hypothesis patch files; the smallest case is
+    # reported.
+    bad = []
+
+    @settings(PLANNING, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+    @given(case=cases(max_ops=8))
+    @pinned_examples
+    def check(case):
+        problems = working_layout_problems(_plan(case))
+        if problems:
+            bad.append((len(case.body), case, problems))
+
+    check()
+    if bad:
+        _, case, problems = min(bad, key=lambda b: b[0])
+        raise AssertionError(
+            f"{len(bad)} failing cases; the smallest:{case!r}" + "\n".join(problems)
+        )
+
+
+@PLANNING
+@given(case=cases(max_ops=8))
+@pinned_examples
+def test_hinted_dims_keep_their_layout(case):
+    plan = _plan(case)
+    g = plan.graph
+    names = dict(zip(plan.traced.in_names, plan.flat_in_dims()))
+    names.update(zip(plan.traced.out_names, plan.out_dims))
+    for key, spec in case.hints.items():
+        dims = names[key]
+        for d, pinned in enumerate(from_spec(spec, len(dims))):
+            if pinned is not None:
+                assert dims[d] == pinned, f"{key} {spec}: dim {d} planned {dims[d]}"
+    for vid, pin in g.pins.items():  # in-function hints too
+        for d, pinned in enumerate(pin.dims):
+            if pinned is not None:
+                assert plan.dims[vid][d] == pinned, f"{pin.source}: dim {d} of value {vid}"
+
+
+@PLANNING
+@given(case=cases(max_ops=8))
+@pinned_examples
+def test_propagating_again_changes_nothing(case):
+    plan = _plan(case)
+    prop = Propagator(plan.graph, plan.axis_sizes)
+    prop.state.dims = [list(d) for d in plan.dims]
+    prop.state.origins = [list(o) for o in plan.origins]
+    prop._enqueue(range(len(plan.graph.apps)))
+    prop.run()
+    assert [tuple(d) for d in prop.state.dims] == plan.dims
+    assert prop.state.visits <= len(plan.graph.apps)  # one round, nothing re-queued
+
+
+def assert_same_numbers(got, want, where):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, where
+    if want.dtype == np.float32:
+        scale = float(np.nanmax(np.abs(want), initial=0.0))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale, err_msg=where)
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=where)
+
+
+@RUNNING
+@given(case=cases(max_ops=5))
+@pinned_examples
+def test_sharded_run_matches_unsharded(case):
+    fn, inputs = case.fn(), case.inputs()
+    want = jax.jit(fn)(inputs)
+    step = jaxshard.auto_shard(case.mesh(), case.hints)(fn)
+    got = step(inputs)
+    plan = step.plan(inputs)
+    for i, (g, w, spec) in enumerate(zip(got, want, plan.out_specs)):
+        assert_same_numbers(g, w, f"out/{i}")
+        planned = NamedSharding(case.mesh(), spec)
+        assert g.sharding.is_equivalent_to(planned, g.ndim), (i, g.sharding, spec)
+
+
+# --- failures the fuzzer found, pinned as regular tests ------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason=AXIS_ON_TWO_FACTORS)
+@pytest.mark.parametrize("case", PINNED.values(), ids=PINNED.keys())
+def test_one_axis_on_two_factors_is_decided(case):
+    assert working_layout_problems(_plan(case)) == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="jaxshard bug: jnp.where(x > 0, x, 0) traced under the planning mesh contains a "
+    "`reshard` equation (the argument's aval has no mesh, the intermediate's has the "
+    "context mesh); `reshard` has no rule, so planning warns 'no sharding rule for: "
+    "reshard' and nothing propagates across it",
+)
+def test_where_of_an_intermediate_condition_plans_without_warning(mesh):
+    x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+    w = jax.ShapeDtypeStruct((4, 16), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxshard.JaxshardWarning)
+        plan = jaxshard.make_plan(
+            lambda x, w: jnp.where(x > 0, x, 0) @ w,
+            (x, w),
+            {},
+            mesh,
+            {"x": P("data"), "w": P(None, "model")},
+        )
+    assert plan.out_specs == P("data", "model")
+
+
+# --- a plan never changes the math: every example model, sharded vs unsharded ----------
+
+MODEL_HINTS = {  # the batch data parallel, and one weight on "model" where it divides
+    "mlp": {r"params/layers/0/w": P(None, "model")},
+    "gpt": {r"params/layers/.*/attn/wq": P(None, "model")},
+    "llama": {r"params/layers/w_gate": P(None, None, "model")},
+    "moe": {r"params/experts/w_in": P("model")},  # 4 experts, one per "model" device
+    "conv": {r"params/blocks/1/conv2": P(None, None, None, "model")},
+    "vit": {r"params/layers/0/mlp/w1": P(None, "model")},
+}
+
+
+@pytest.mark.parametrize("name", sorted(models.MODELS))
+def test_model_sgd_steps_match_unsharded_with_fresh_data(mesh, name):
+    config_cls, init, loss, make_batch = models.MODELS[name]
+    cfg = config_cls()
+    opt = optax.sgd(0.1)
+    step = models.make_train_step(functools.partial(loss, cfg=cfg), opt)
+    hints = {r"batch/.*": P("data"), **MODEL_HINTS[name]}
+    sharded, reference = jaxshard.auto_shard(mesh, hints)(step), jax.jit(step)
+    params = init(jax.random.key(0), cfg)
+    p, s, rp, rs = params, opt.init(params), params, opt.init(params)
+    for i in range(2):
+        batch = make_batch(jax.random.key(100 + i), cfg)  # fresh random data every step
+        p, s, loss_value = sharded(p, s, batch)
+        rp, rs, ref_loss = reference(rp, rs, batch)
+        np.testing.assert_allclose(loss_value, ref_loss, rtol=1e-5, err_msg=f"step {i}")
+        assert_leaves_match(p, rp)
+    assert sharded.plans_made == 1
+    specs = sharded.plan(params, opt.init(params), batch).in_specs[0]
+    leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    assert any(spec != P() for spec in leaves), "the hints sharded no parameter"
