@@ -135,8 +135,22 @@ def match_hints(
         >>> pins[1].dims
         (('data',), None)
     """
+    if not isinstance(hints, Mapping):
+        raise ShardingError(
+            f"hints must map path regexes to PartitionSpecs, e.g. {{r'batch/.*': P('data')}}; "
+            f"got a {type(hints).__name__}: {hints!r}"
+        )
     compiled = []
     for key, spec in hints.items():
+        if isinstance(key, re.Pattern):
+            key = key.pattern
+        if not isinstance(key, str):
+            raise ShardingError(f"hint key {key!r} is a {type(key).__name__}; give a regex string")
+        if not isinstance(spec, PartitionSpec):
+            raise ShardingError(
+                f"{key}: hint {key!r} is {spec!r} (a {type(spec).__name__}); give a "
+                "jax.sharding.PartitionSpec"
+            )
         try:
             compiled.append((key, re.compile(key), spec))
         except re.error as e:

@@ -94,6 +94,11 @@ class AutoShard:
     ):
         if not isinstance(mesh, Mesh):
             raise ShardingError(f"auto_shard needs a jax.sharding.Mesh, got {type(mesh).__name__}")
+        if hints is not None and not isinstance(hints, Mapping):
+            raise ShardingError(
+                "hints must map path regexes to PartitionSpecs, e.g. {r'batch/.*': P('data')}; "
+                f"got a {type(hints).__name__}: {hints!r}"
+            )
         self.fn, self.mesh, self.hints = fn, mesh, dict(hints or {})
         self.logical_axis_rules = check_rules(logical_axis_rules)
         self.flax_metadata, self.donate_state = flax_metadata, donate_state

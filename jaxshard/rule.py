@@ -382,10 +382,11 @@ def primitive(name: str) -> Primitive:
 
     found = getattr(primitives, f"{name}_p", None) or getattr(jax.lax, f"{name}_p", None)
     if found is None:
-        from jax._src import shard_map  # shard_map_p is not public yet
-        from jax._src.lax import lax as lax_internal  # nor split_p
+        from jax._src import debugging, pjit, shard_map  # these primitives are not public yet
+        from jax._src.lax import lax as lax_internal
 
-        found = getattr(lax_internal, f"{name}_p", None) or getattr(shard_map, f"{name}_p", None)
+        for module in (lax_internal, shard_map, pjit, debugging):
+            found = found or getattr(module, f"{name}_p", None)
     if found is None:
         raise JaxshardBug(f"primitive {name!r} not found in this JAX version")
     return found

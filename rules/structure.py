@@ -95,3 +95,28 @@ def sharding_constraint_annotation(eqn: JaxprEqn) -> tuple[list, list]:
     entries = list(spec) + [None] * (rank - len(spec))
     entries = [PartitionSpec.UNCONSTRAINED if d in open_dims else e for d, e in enumerate(entries)]
     return [None], [PartitionSpec(*entries)]
+
+
+@register_annotation(primitive("reshard"))
+def reshard_annotation(eqn: JaxprEqn) -> tuple[list, list]:
+    """`reshard` (which JAX also inserts on its own when tracing under a mesh) passes
+    shardings through like an identity and pins nothing: the plan decides the layout.
+
+    Example:
+        >>> reshard_annotation(None)
+        ([None], [None])
+    """
+    return [None], [None]
+
+
+@register_boundary(primitive("debug_print"), primitive("debug_callback"))
+def debug_boundary(eqn: JaxprEqn) -> tuple[list, list]:
+    """`jax.debug.print`/`callback` read values and pin nothing; nothing propagates across.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> eqn = jax.make_jaxpr(lambda x: jax.debug.print("{}", x))(jnp.ones(2)).eqns[0]
+        >>> debug_boundary(eqn)
+        ([None], [])
+    """
+    return [None] * len(eqn.invars), [None] * len(eqn.outvars)

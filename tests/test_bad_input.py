@@ -115,31 +115,14 @@ def test_invalid_regex_names_key_and_reason(mesh):
         pytest.param(
             "data",
             id="str",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="jaxshard bug: a str hint value is rendered character by character: "
-                "\"x: hint 'x': P('d', 'a', 't', 'a') is a str\" (annotate._spec_text iterates it)",
-            ),
         ),
         pytest.param(
             None,
             id="None",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=TypeError,
-                reason="jaxshard bug: a None hint value crashes with TypeError \"'NoneType' "
-                'object is not iterable" (annotate._spec_text runs before the type check)',
-            ),
         ),
         pytest.param(
             "named",
             id="NamedSharding",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=TypeError,
-                reason="jaxshard bug: a NamedSharding hint value crashes with TypeError "
-                "\"'NamedSharding' object is not iterable\" (annotate._spec_text)",
-            ),
         ),
     ],
 )
@@ -154,27 +137,11 @@ def test_hint_value_that_is_not_a_spec_names_key_and_value(mesh, value):
     assert "P('d', 'a'" not in str(e.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="jaxshard bug: hints=P('data') (a spec instead of a dict) raises a bare ValueError "
-    "'dictionary update sequence element #0 has length 4; 2 is required' from dict(hints) in "
-    "AutoShard.__init__, not a ShardingError saying hints must map regexes to specs",
-)
 def test_hints_that_are_not_a_mapping(mesh):
     with pytest.raises(ShardingError, match=r"hints.*PartitionSpec"):
         jaxshard.auto_shard(mesh, P("data"))(lambda x: x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="jaxshard bug: a hint key that is not a str raises a bare TypeError without naming "
-    "the key: 0 gives re's 'first argument must be string or compiled pattern' "
-    "(annotate.match_hints catches re.error only); a compiled re.Pattern, which planned "
-    "correctly before commit f070f8d, now gives 'expected string or bytes-like object, got "
-    "re.Pattern' from annotate._literal",
-)
 @pytest.mark.parametrize("key", [0, re.compile(r"batch/.*")], ids=["int", "compiled-pattern"])
 def test_hint_key_that_is_not_a_string(mesh, key):
     # an int must be rejected naming it; a compiled pattern may be accepted (it is a regex)
@@ -406,12 +373,6 @@ def test_python_side_effects_run_once_per_plan(mesh):
     assert seen == [(8, 12)] and step.plans_made == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="jaxshard bug: jax.debug.print inside the function warns 'no sharding rule for: "
-    "debug_print' (an error under this suite's filterwarnings); a side-effect primitive "
-    "with no results needs a rule where its operands take part in no factor",
-)
 def test_debug_print_inside_the_function_plans_without_warning(mesh):
     def g(x):
         jax.debug.print("x[0, 0] = {}", x[0, 0])

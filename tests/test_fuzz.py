@@ -269,13 +269,6 @@ def test_one_axis_on_two_factors_is_decided(case):
     assert working_layout_problems(_plan(case)) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="jaxshard bug: jnp.where(x > 0, x, 0) traced under the planning mesh contains a "
-    "`reshard` equation (the argument's aval has no mesh, the intermediate's has the "
-    "context mesh); `reshard` has no rule, so planning warns 'no sharding rule for: "
-    "reshard' and nothing propagates across it",
-)
 def test_where_of_an_intermediate_condition_plans_without_warning(mesh):
     x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
     w = jax.ShapeDtypeStruct((4, 16), jnp.float32)
