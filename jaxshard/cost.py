@@ -1,15 +1,19 @@
-"""The cost model: bytes each device moves to turn one layout of a tensor into another.
+"""The cost model: bytes each device moves to turn one layout of a tensor into another,
+what that costs in time, and how much memory a plan needs per device.
 
 Ring volumes per device, with S the per-device size of the tensor after the collective:
 local slice 0; all-gather (n-1)/n·S; all-to-all (n-1)/n·S; reduce-scatter (n-1)/n·S of
-the input; all-reduce of a partial 2(n-1)/n·S. Memory of a layout is the per-device
-share of the tensor's bytes.
+the input; all-reduce of a partial 2(n-1)/n·S. A `CostModel` turns bytes into seconds
+per mesh axis (bandwidth and latency, e.g. a slow cross-host "data" axis). Memory of a
+layout is the per-device share of the tensor's bytes; `memory_estimate` adds up a whole
+plan: arguments, results, and the largest set of intermediates alive at once.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -65,6 +69,27 @@ def reshard_cost(
         >>> reshard_cost((8, 16), np.float32, [(), ()], [(), ()], sizes, frozenset({"model"}))
         (768.0, ['all-reduce over model'])
     """
+    steps = reshard_collectives(shape, dtype, src, dst, axis_sizes, partial)
+    return sum(s[2] for s in steps) + 0.0, [f"{k} over {','.join(a)}" for k, a, _ in steps]
+
+
+def reshard_collectives(
+    shape: Sequence[int],
+    dtype,
+    src: Sequence[DimSharding],
+    dst: Sequence[DimSharding],
+    axis_sizes: Mapping[str, int],
+    partial: frozenset[str] = frozenset(),
+) -> list[tuple[str, tuple[str, ...], float]]:
+    """The collectives of `reshard_cost` one by one: ``(kind, mesh axes, bytes per device)``,
+    so a `CostModel` can price each on its own axes.
+
+    Example:
+        >>> sizes = {"data": 2, "model": 4}
+        >>> reshard_collectives((8, 16), np.float32, [("data",), ()], [(), ()], sizes,
+        ...                     frozenset({"model"}))
+        [('all-reduce', ('model',), 384.0), ('all-gather', ('data',), 256.0)]
+    """
     src = [d or () for d in src]
     dst = [d or () for d in dst]
     total = nbytes(shape, dtype)
@@ -72,17 +97,15 @@ def reshard_cost(
     where_dst = {a: i for i, d in enumerate(dst) for a in d}
     local_dst = total / shards(dst, axis_sizes)
     local_src = total / shards(src, axis_sizes)
-    cost, ops = 0.0, []
+    out: list[tuple[str, tuple[str, ...], float]] = []
     scattered = sorted(a for a in partial if a in where_dst)
     reduced = sorted(a for a in partial if a not in where_dst)
     if reduced:
         n = math.prod(axis_sizes[a] for a in reduced)
-        cost += 2 * (n - 1) / n * local_src
-        ops.append("all-reduce over " + ",".join(reduced))
+        out.append(("all-reduce", tuple(reduced), 2 * (n - 1) / n * local_src))
     if scattered:
         n = math.prod(axis_sizes[a] for a in scattered)
-        cost += (n - 1) / n * local_src
-        ops.append("reduce-scatter over " + ",".join(scattered))
+        out.append(("reduce-scatter", tuple(scattered), (n - 1) / n * local_src))
     moved = sorted(
         a
         for a, i in where_src.items()
@@ -90,17 +113,302 @@ def reshard_cost(
     )
     if moved:
         n = math.prod(axis_sizes[a] for a in moved)
-        cost += (n - 1) / n * local_dst
-        ops.append("all-to-all over " + ",".join(moved))
+        out.append(("all-to-all", tuple(moved), (n - 1) / n * local_dst))
     removed = sorted(a for a in where_src if a not in where_dst)
     if removed:
         n = math.prod(axis_sizes[a] for a in removed)
-        cost += (n - 1) / n * local_dst
-        ops.append("all-gather over " + ",".join(removed))
-    return cost, ops
+        out.append(("all-gather", tuple(removed), (n - 1) / n * local_dst))
+    return out
 
 
 def _order_changed(src_axes: tuple[str, ...], dst_axes: tuple[str, ...], axis: str) -> bool:
     before_src = src_axes[: src_axes.index(axis)]
     before_dst = dst_axes[: dst_axes.index(axis)]
     return before_src != before_dst
+
+
+# --- time ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per collective from bytes per device: ``bytes / bandwidth + latency`` on
+    each mesh axis, with defaults for axes not listed (100 GB/s and 5 µs: a fast
+    intra-host link). A collective over several axes runs at the slowest one's bandwidth
+    and pays every axis's latency (a hierarchical ring). With ``flops`` (per device per
+    second) the search also counts compute: contractions and reductions, each the product
+    of its factor sizes (twice that for a multiply-add) divided over the devices its
+    sharded factors split it across; without it only communication counts, and
+    replicating everything costs nothing.
+
+    Example:
+        >>> model = CostModel(bandwidth={"data": 10e9}, latency={"data": 20e-6})
+        >>> round(model.collective_time(("model",), 1e6), 9)  # 1 MB over the fast axis
+        1.5e-05
+        >>> model.collective_time(("data",), 1e6)  # over the slow cross-host axis
+        0.00012
+        >>> round(model.time({"data": 1e6, "model": 1e6}), 7)  # one collective per axis
+        0.000135
+    """
+
+    bandwidth: Mapping[str, float] = field(default_factory=dict)  # bytes/s per axis
+    latency: Mapping[str, float] = field(default_factory=dict)  # seconds per collective
+    default_bandwidth: float = 100e9
+    default_latency: float = 5e-6
+    flops: float | None = None  # FLOP/s per device; None: communication only
+
+    def axis_bandwidth(self, axis: str) -> float:
+        """Bytes per second one device moves over ``axis``."""
+        return self.bandwidth.get(axis, self.default_bandwidth)
+
+    def axis_latency(self, axis: str) -> float:
+        """Fixed seconds per collective over ``axis``."""
+        return self.latency.get(axis, self.default_latency)
+
+    def collective_time(self, axes: Iterable[str], nbytes: float) -> float:
+        """Seconds for one collective moving ``nbytes`` per device over ``axes``."""
+        axes = tuple(axes)
+        if not axes or nbytes <= 0:
+            return 0.0
+        bandwidth = min(self.axis_bandwidth(a) for a in axes)
+        return nbytes / bandwidth + sum(self.axis_latency(a) for a in axes)
+
+    def time(
+        self, bytes_per_axis: Mapping[str, float], counts: Mapping[str, int] | None = None
+    ) -> float:
+        """Seconds for the collective bytes per device on each axis (``counts``: how many
+        collectives carry them, one per axis with bytes by default).
+
+        Example:
+            >>> CostModel().time({"model": 2e6}, {"model": 4})
+            4e-05
+        """
+        total = 0.0
+        for axis, b in bytes_per_axis.items():
+            n = (counts or {}).get(axis, 1 if b > 0 else 0)
+            total += b / self.axis_bandwidth(axis) + n * self.axis_latency(axis)
+        return total
+
+    def reshard_time(
+        self,
+        shape: Sequence[int],
+        dtype,
+        src: Sequence[DimSharding],
+        dst: Sequence[DimSharding],
+        axis_sizes: Mapping[str, int],
+        partial: frozenset[str] = frozenset(),
+    ) -> float:
+        """Seconds to turn layout ``src`` (pending ``partial`` sums) into ``dst``.
+
+        Example:
+            >>> t = CostModel().reshard_time((1024, 256), np.float32, [(), ()], [(), ()],
+            ...                              {"model": 4}, frozenset({"model"}))
+            >>> round(t * 1e6, 2)  # µs: an all-reduce of 1 MiB over 4 devices
+            20.73
+        """
+        steps = reshard_collectives(shape, dtype, src, dst, axis_sizes, partial)
+        return sum(self.collective_time(axes, b) for _, axes, b in steps)
+
+
+# --- executions ----------------------------------------------------------------------
+
+
+def executions(graph) -> list[int]:
+    """How many times each application of ``graph`` runs per call: the product of the
+    lengths of the scans around it (a while loop counts once: its trip count is not
+    known when planning). A scan's links to the outside run once.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> f = lambda xs: jax.lax.scan(lambda c, x: (c + jnp.sin(x), None), jnp.zeros(()), xs)
+        >>> g = build_graph(trace(f, (jnp.ones(12),), {}), {})
+        >>> [(a.describe().split()[0], n) for a, n in zip(g.apps, executions(g)) if a.kind == "eqn"]
+        [('sin', 12), ('add', 12)]
+    """
+    from jax.extend.core import primitives
+
+    memo: dict[int, int] = {}
+
+    def count(where) -> int:
+        if where is None:
+            return 1
+        n = memo.get(id(where))
+        if n is None:
+            eqn, outer = where
+            n = count(outer) * (eqn.params["length"] if eqn.primitive is primitives.scan_p else 1)
+            memo[id(where)] = n
+        return n
+
+    return [count(app.where) for app in graph.apps]
+
+
+def step_bytes(plan) -> float:
+    """A plan's predicted collective bytes per device for one call, each reshard counted
+    as many times as its equation runs (`executions`; ``plan.predicted_bytes`` counts a
+    scan body's reshards once).
+
+    Example:
+        >>> step_bytes(plan)  # doctest: +SKIP
+        5246976.0
+    """
+    runs = executions(plan.graph)
+    return sum(r.bytes * runs[r.app] for r in plan.reshards)
+
+
+# --- memory --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """When each buffer of a graph is alive, in application (equation) order.
+
+    ``owner[v]`` is the buffer value ``v`` lives in (identity links of nested jaxprs
+    alias their outer value); ``start``/``end`` are the first and last application
+    indices of each owner (``-1``: not an intermediate — an argument, a result or a
+    constant). ``intermediates`` lists the owners counted as activations.
+    """
+
+    owner: list[int]
+    start: np.ndarray
+    end: np.ndarray
+    intermediates: np.ndarray
+
+
+def liveness(graph, skip: Iterable[int] = ()) -> Liveness:
+    """Lifetimes of a graph's buffers: produced by their first equation, freed after their
+    last use; arguments and results live for the whole call and are not intermediates.
+    Applications in ``skip`` (dead code) neither produce nor use anything.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> g = build_graph(trace(lambda x: jnp.sin(jnp.cos(x)) * 2, (jnp.ones(4),), {}), {})
+        >>> live = liveness(g)
+        >>> [(int(live.start[v]), int(live.end[v])) for v in live.intermediates]
+        [(0, 1), (1, 2)]
+    """
+    n = len(graph.shapes)
+    parent = list(range(n))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    skip = set(skip)
+    for app in graph.apps:
+        if app.kind == "link" and len(app.operands) == 1 and len(app.results) == 1:
+            o, r = app.operands[0], app.results[0]
+            if graph.shapes[o] == graph.shapes[r] and _is_identity(app.rule):
+                ro, rr = find(o), find(r)
+                if ro != rr:
+                    parent[rr] = ro
+    owner = [find(v) for v in range(n)]
+    big = len(graph.apps) + 1
+    start = np.full(n, big, dtype=np.int64)
+    end = np.full(n, -1, dtype=np.int64)
+    for a, app in enumerate(graph.apps):
+        if a in skip or app.kind != "eqn":
+            continue
+        for v in app.results:
+            o = owner[v]
+            if a < start[o]:
+                start[o] = a
+        for v in app.operands:
+            o = owner[v]
+            if a > end[o]:
+                end[o] = a
+    boundary = {owner[v] for v in (*graph.in_vids, *graph.out_vids)}
+    produced = start < big
+    for o in boundary:
+        produced[o] = False
+    roots = np.array([owner[v] == v for v in range(n)], dtype=bool)
+    keep = produced & roots
+    end = np.maximum(end, start)  # a result nothing reads lives at its own equation
+    start = np.where(keep, start, -1)
+    end = np.where(keep, end, -1)
+    return Liveness(owner, start, end, np.flatnonzero(keep))
+
+
+def _is_identity(rule) -> bool:
+    return all(r == o for r, o in zip(rule.results[0], rule.operands[0])) and all(
+        len(d) == 1 for d in rule.operands[0]
+    )
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device bytes of a plan: arguments, results, and the largest live set of
+    intermediates (at application ``peak_app``).
+
+    Example:
+        >>> MemoryEstimate(100, 100, 50, 3).total
+        250
+    """
+
+    arguments: int
+    results: int
+    activations: int
+    peak_app: int
+
+    @property
+    def total(self) -> int:
+        """Arguments + results + peak activations (no buffer donated)."""
+        return self.arguments + self.results + self.activations
+
+
+def memory_estimate(
+    graph,
+    dims: Sequence[Sequence[DimSharding]],
+    axis_sizes: Mapping[str, int],
+    out_dims: Sequence[Sequence[DimSharding]] | None = None,
+    live: Liveness | None = None,
+) -> MemoryEstimate:
+    """Per-device memory of a layout of every value of ``graph``.
+
+    The approximation: a linear scan over the equations in program order, each
+    intermediate alive from the equation that makes it to its last reader, every one a
+    buffer of its own. XLA fuses elementwise chains (fewer, shorter-lived buffers) and
+    may reorder, so this over-counts activations of unfused code; arguments and results
+    (kept apart, as without donation) are exact.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> g = build_graph(trace(lambda x: jnp.sin(x) * 2, (jnp.ones((8, 4)),), {}), {})
+        >>> memory_estimate(g, [[("data",), ()]] * len(g.shapes), {"data": 2})
+        MemoryEstimate(arguments=64, results=64, activations=64, peak_app=0)
+    """
+    live = live or liveness(graph)
+    out_dims = out_dims if out_dims is not None else [dims[v] for v in graph.out_vids]
+    args = sum(
+        per_device_bytes(graph.shapes[v], graph.dtypes[v], dims[v], axis_sizes)
+        for v in set(graph.in_vids)
+    )
+    seen: set[int] = set()
+    results = 0
+    for v, d in zip(graph.out_vids, out_dims):
+        if v not in seen:
+            seen.add(v)
+            results += per_device_bytes(graph.shapes[v], graph.dtypes[v], d, axis_sizes)
+    n_apps = len(graph.apps)
+    if not len(live.intermediates) or not n_apps:
+        return MemoryEstimate(args, results, 0, -1)
+    sizes = np.array(
+        [
+            per_device_bytes(graph.shapes[v], graph.dtypes[v], dims[v], axis_sizes)
+            for v in live.intermediates
+        ],
+        dtype=np.int64,
+    )
+    delta = np.zeros(n_apps + 1, dtype=np.int64)
+    np.add.at(delta, live.start[live.intermediates], sizes)
+    np.add.at(delta, live.end[live.intermediates] + 1, -sizes)
+    curve = np.cumsum(delta)[:n_apps]
+    peak = int(np.argmax(curve))
+    return MemoryEstimate(args, results, int(curve[peak]), peak)

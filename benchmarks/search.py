@@ -1,0 +1,252 @@
+"""Fully automatic search against hand-written layouts, measured from the compiled program.
+
+    python -m benchmarks.search                  # GPT 12 and 48 layers, Llama-scan, MoE
+    python -m benchmarks.search --quick          # the examples' tiny models (a smoke run)
+    python -m benchmarks.search --compile-large  # also compile the 48-layer GPT (minutes)
+
+Every model is an AdamW train step (`benchmarks.workloads`) with abstract arguments, on
+the 2x4 (data, model) mesh, with only the batch hinted (``batch/.*: P('data')``). Rows:
+
+- *search, budget = Megatron*: `jaxshard.search.search_hints` with ``memory_budget`` set
+  to the Megatron layout's estimated per-device memory (`jaxshard.cost.memory_estimate`
+  of its plan): the least communication within what Megatron needs;
+- *search, no budget*: the least communication, whatever the memory;
+- *search, budget = 0.85 x Megatron*: a layout that fits, or the error naming the
+  smallest footprint;
+- *Megatron TP + DP* and *Megatron + FSDP* (`benchmarks.layouts`): exact-path hints for
+  every parameter (the optimizer state follows by propagation) plus the batch hint,
+  planned by `jaxshard.make_plan`.
+
+Columns: *search s* is `search_hints` (trace, coarsening, integer program, propagation of
+the chosen hints); *+ plan s* adds `jaxshard.make_plan` with the found hints, as
+``auto_shard(search=True)`` will run it. *predicted* is the plan's collective bytes per
+device per step (ring volumes; `jaxshard.cost.step_bytes`: a scan body's reshards once
+per iteration). From the compiled program (``auto_shard(mesh,
+hints).lower(...).compile()``): *compiled ring* (`benchmarks.hlo.collective_stats`: ring
+volumes per device, loop bodies times their trip counts — the same measure as
+*predicted*), *compiled operands* (the sum of `jaxshard.verify.compiled_collectives`
+bytes: each collective's per-device operand size, once per instruction), and *memory*
+(``compiled.memory_analysis()``: arguments + outputs + temporaries − aliased).
+*estimated memory* is jaxshard's own estimate (the budget's unit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+if __package__ in (None, ""):  # `python benchmarks/search.py`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    __package__ = "benchmarks"
+import jax  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import benchmarks  # noqa: E402, F401  (sets the simulated device count before JAX loads)
+import jaxshard  # noqa: E402
+from jaxshard.cost import liveness, memory_estimate, step_bytes  # noqa: E402
+from jaxshard.plan import _dead_apps, mesh_axis_sizes  # noqa: E402
+from jaxshard.search import search_hints  # noqa: E402
+from jaxshard.trace import arg_names  # noqa: E402
+from jaxshard.verify import compiled_collectives  # noqa: E402
+
+from . import layouts  # noqa: E402
+from .hlo import collective_stats  # noqa: E402
+from .workloads import Workload, count_equations, meshes, models, workload  # noqa: E402
+
+BATCH = {r"batch/.*": P("data")}
+MiB = 2**20
+
+
+@dataclass
+class Row:
+    layout: str
+    search_s: float | None = None
+    plan_s: float | None = None
+    predicted: float | None = None
+    estimated_memory: float | None = None
+    ring: float | None = None
+    operands: float | None = None
+    memory: float | None = None
+    optimal: bool | None = None
+    note: str = ""
+
+
+def workloads(quick: bool) -> list[tuple[Workload, bool]]:
+    """``(workload, compile it)`` pairs."""
+    if quick:
+        return [
+            (workload("GPT 2L (tiny)", "gpt", models.GPTConfig(), 8), True),
+            (workload("Llama-scan (tiny)", "llama", models.LlamaConfig(), 8), True),
+            (workload("MoE (tiny)", "moe", models.MoEConfig(n_experts=8), 8), True),
+        ]
+    gpt = dict(d_model=768, n_heads=12, d_ff=3072, seq=128, vocab=8192)
+    text = dict(vocab=1024, seq=64)
+    llama = models.LlamaConfig(n_layers=4, d_model=256, n_heads=8, n_kv_heads=4, d_ff=768, **text)
+    moe = models.MoEConfig(d_model=256, n_experts=8, top_k=2, d_ff=512, **text)
+    return [
+        (workload("GPT 12L", "gpt", models.GPTConfig(n_layers=12, **gpt), 16), True),
+        (workload("GPT 48L", "gpt", models.GPTConfig(n_layers=48, **gpt), 16), False),
+        (workload("Llama-scan 4L", "llama", llama, 16), True),
+        (workload("MoE", "moe", moe, 16), True),
+    ]
+
+
+def reference_hints(w: Workload, layout: layouts.Layout, mesh) -> dict[str, P]:
+    """Exact-path hints for every parameter in ``layout``, plus the batch."""
+    params = w.args[0]
+    specs = jax.tree.leaves(
+        layout(params, mesh_axis_sizes(mesh)), is_leaf=lambda x: isinstance(x, P)
+    )
+    names = [n for n in arg_names(w.step, w.args, {})[0] if n.startswith("params/")]
+    return {**BATCH, **{re.escape(n): s for n, s in zip(names, specs, strict=True)}}
+
+
+def estimated_memory(plan) -> float:
+    g = plan.graph
+    live = liveness(g, _dead_apps(g))
+    return memory_estimate(g, plan.dims, plan.axis_sizes, plan.out_dims, live).total
+
+
+def measure_compiled(row: Row, w: Workload, mesh, hints) -> None:
+    compiled = jaxshard.auto_shard(mesh, hints)(w.step).lower(*w.args).compile()
+    text = compiled.as_text()
+    row.ring = collective_stats(text, mesh.size).ring_bytes
+    row.operands = sum(c.bytes for c in compiled_collectives(text, mesh))
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        row.memory = (
+            mem.argument_size_in_bytes + mem.output_size_in_bytes
+            + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+        )  # fmt: skip
+
+
+def reference_row(label, w, mesh, layout, compile_it) -> tuple[Row, float]:
+    hints = reference_hints(w, layout, mesh)
+    t0 = time.perf_counter()
+    plan = jaxshard.make_plan(w.step, w.args, {}, mesh, hints)
+    row = Row(label, plan_s=time.perf_counter() - t0, predicted=step_bytes(plan))
+    row.estimated_memory = estimated_memory(plan)
+    if compile_it:
+        measure_compiled(row, w, mesh, hints)
+    return row, row.estimated_memory
+
+
+def search_row(label, w, mesh, budget, compile_it, log) -> Row:
+    row = Row(label)
+    try:
+        result = search_hints(w.step, w.args, {}, mesh, BATCH, memory_budget=budget)
+    except jaxshard.ShardingError as e:
+        row.note = str(e).split(", with ")[0]
+        log(f"    {label}: {row.note}")
+        return row
+    row.search_s, row.optimal = result.seconds, result.optimal
+    row.predicted, row.estimated_memory = result.predicted_bytes, result.memory_bytes
+    hints = {**BATCH, **result.hints}
+    t0 = time.perf_counter()
+    jaxshard.make_plan(w.step, w.args, {}, mesh, hints)
+    row.plan_s = row.search_s + time.perf_counter() - t0
+    row.note = _summary(result.hints)
+    log(f"    {label}: {result.explanation.splitlines()[0]}")
+    if compile_it:
+        measure_compiled(row, w, mesh, hints)
+    return row
+
+
+def _summary(hints: dict[str, P]) -> str:
+    """The distinct parameter specs, by group (layers folded), and the optimizer state
+    stored sharded further than its parameter."""
+    names = {key.replace("\\", ""): spec for key, spec in hints.items()}
+    seen: dict[str, str] = {}
+    further: set[str] = set()
+    for name, spec in names.items():
+        group = re.sub(r"/\d+/", "/*/", name)
+        if name.startswith("params/") and spec != P(*([None] * len(spec))):
+            seen.setdefault(group[len("params/") :], str(spec)[1:])
+        elif name.startswith("opt_state/"):
+            param = next((p for p in names if p.startswith("params/")
+                          and name.endswith(p[len("params"):])), None)  # fmt: skip
+            if param is not None and spec != names[param]:
+                further.add(re.sub(r"/\d+/", "/*/", param)[len("params/") :])
+    text = "; ".join(f"{k} {v}" for k, v in seen.items()) or "all replicated"
+    if further:
+        text += f"; optimizer state sharded further (ZeRO) for: {', '.join(sorted(further))}"
+    return text
+
+
+def run(quick: bool = False, compile_large: bool = False, log=print) -> str:
+    mesh = meshes()["2x4 (data, model)"]
+    tables = []
+    for w, compile_it in workloads(quick):
+        compile_it = compile_it or compile_large
+        log(f"[search] {w.describe()}")
+        equations = count_equations(jax.make_jaxpr(w.step)(*w.args))
+        mega = layouts.megatron(w.model)
+        megatron, budget = reference_row("Megatron TP + DP", w, mesh, mega, compile_it)
+        fsdp, _ = reference_row("Megatron + FSDP", w, mesh, layouts.fsdp(mega, w.model), compile_it)
+        rows = [
+            search_row("search, budget = Megatron", w, mesh, budget, compile_it, log),
+            search_row("search, no budget", w, mesh, None, compile_it, log),
+            search_row(
+                "search, budget = 0.85 x Megatron", w, mesh, 0.85 * budget, compile_it, log
+            ),  # fmt: skip
+            megatron,
+            fsdp,
+        ]
+        layers = getattr(w.cfg, "n_layers", 1)
+        tables.append(table(w, layers, equations, rows, megatron))
+        log(tables[-1])
+    return "\n".join(tables)
+
+
+def _mib(x) -> str:
+    return "—" if x is None else f"{x / MiB:.1f}"
+
+
+def table(w: Workload, layers: int, equations: int, rows: list[Row], megatron: Row) -> str:
+    head = (
+        f"\n### {w.name}: {layers} layers, {equations} equations\n\n{w.describe()}\n\n"
+        "| layout | search s | + plan s | predicted MiB | compiled ring MiB | predicted / "
+        "compiled | compiled operands MiB | memory MiB (compiled) | estimated memory MiB | "
+        "vs Megatron: bytes, memory | notes |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        ratio = f"{r.predicted / r.ring:.2f}" if r.ring and r.predicted is not None else "—"
+        versus = "—"
+        if r.ring and megatron.ring and r.memory and megatron.memory:
+            versus = f"{r.ring / megatron.ring:.2f}x, {r.memory / megatron.memory:.2f}x"
+        elif r.predicted is not None and megatron.predicted:
+            versus = (
+                f"{r.predicted / megatron.predicted:.2f}x predicted, "
+                f"{r.estimated_memory / megatron.estimated_memory:.2f}x estimated"
+            )
+        secs = "—" if r.search_s is None else f"{r.search_s:.1f}"
+        secs += "" if r.optimal in (None, True) else " (time limit)"
+        plan_s = "—" if r.plan_s is None else f"{r.plan_s:.1f}"
+        lines.append(
+            f"| {r.layout} | {secs} | {plan_s} | {_mib(r.predicted)} | {_mib(r.ring)} | "
+            f"{ratio} | {_mib(r.operands)} | {_mib(r.memory)} | {_mib(r.estimated_memory)} | "
+            f"{versus} | {r.note} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the examples' tiny models")
+    parser.add_argument("--compile-large", action="store_true", help="compile the 48-layer GPT")
+    parser.add_argument("--out", help="also write the tables to this markdown file")
+    args = parser.parse_args()
+    text = run(args.quick, args.compile_large)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("# Search against hand-written layouts\n" + text)
+
+
+if __name__ == "__main__":
+    main()
