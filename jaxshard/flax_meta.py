@@ -145,7 +145,24 @@ def logical_to_spec(
 # --- Flax boxes -----------------------------------------------------------------------
 
 
-@functools.cache
+def _cache_once_found(fn):
+    """Cache a lookup only once it finds something: flax may be imported after the first
+    plan, and a cached "not imported" would then hide its boxes for good."""
+    found = []
+
+    @functools.wraps(fn)
+    def wrapper():
+        if not found:
+            value = fn()
+            if value is None:
+                return None
+            found.append(value)
+        return found[0]
+
+    return wrapper
+
+
+@_cache_once_found
 def _linen_types() -> tuple[type, type] | None:
     if "flax" not in sys.modules:  # boxes can only exist once flax is imported
         return None
@@ -157,7 +174,7 @@ def _linen_types() -> tuple[type, type] | None:
     return Partitioned, LogicallyPartitioned
 
 
-@functools.cache
+@_cache_once_found
 def _nnx_variable() -> type | None:
     if "flax" not in sys.modules:
         return None
