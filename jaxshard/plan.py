@@ -412,21 +412,32 @@ def make_plan(
         graph = build_graph(traced, sizes)
         if saved is not None:
             return _replan(traced, graph, mesh, saved)
-        names = list(traced.in_names) + list(traced.out_names)
-        vids = list(graph.in_vids) + list(graph.out_vids)
-        pins: dict[int, Pin] = dict(graph.pins)
-        for i, pin in match_hints(
-            hints or {}, names, [graph.shapes[v] for v in vids], sizes
-        ).items():
-            vid = vids[i]
-            pins[vid] = merge_pins(pins[vid], pin, names[i]) if vid in pins else pin
-        prop = Propagator(graph, sizes)
-        for vid, pin in pins.items():
-            prop.pin(vid, pin)
-        prop.run()
-        prop.default(graph.in_vids, "replicated: no hint or propagation reached it")
-        prop.default(range(len(graph.shapes)), "replicated: no hint or propagation reached it")
-        return Plan(traced, graph, prop, mesh)
+        return plan_from_graph(traced, graph, mesh, hints)
+
+
+def plan_from_graph(
+    traced: Traced, graph: Graph, mesh: Mesh, hints: Mapping[str, PartitionSpec] | None = None
+) -> Plan:
+    """Propagate hints over an already built graph and decide what is left (no tracing):
+    the planning half of `make_plan`, for callers that plan one graph several times.
+
+    Example:
+        >>> plan = plan_from_graph(traced, graph, mesh, {"x": P("data")})  # doctest: +SKIP
+    """
+    sizes = mesh_axis_sizes(mesh)
+    names = list(traced.in_names) + list(traced.out_names)
+    vids = list(graph.in_vids) + list(graph.out_vids)
+    pins: dict[int, Pin] = dict(graph.pins)
+    for i, pin in match_hints(hints or {}, names, [graph.shapes[v] for v in vids], sizes).items():
+        vid = vids[i]
+        pins[vid] = merge_pins(pins[vid], pin, names[i]) if vid in pins else pin
+    prop = Propagator(graph, sizes)
+    for vid, pin in pins.items():
+        prop.pin(vid, pin)
+    prop.run()
+    prop.default(graph.in_vids, "replicated: no hint or propagation reached it")
+    prop.default(range(len(graph.shapes)), "replicated: no hint or propagation reached it")
+    return Plan(traced, graph, prop, mesh)
 
 
 def _replan(traced: Traced, graph: Graph, mesh: Mesh, saved: SavedPlan) -> Plan:

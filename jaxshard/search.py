@@ -53,12 +53,19 @@ from jaxshard.cost import (
     step_bytes,
 )
 from jaxshard.errors import JaxshardBug, ShardingError
-from jaxshard.graph import Graph, build_graph
+from jaxshard.graph import build_graph
 from jaxshard.lattice import Axes, spec_entry, to_spec
-from jaxshard.plan import Plan, _dead_apps, _duplicate, _gc_paused, auto_view, mesh_axis_sizes
-from jaxshard.propagate import Propagator
+from jaxshard.plan import (
+    Plan,
+    _dead_apps,
+    _duplicate,
+    _gc_paused,
+    auto_view,
+    mesh_axis_sizes,
+    plan_from_graph,
+)
 from jaxshard.rule import FactorKind
-from jaxshard.trace import Traced, trace
+from jaxshard.trace import trace
 
 _LAYER_INDEX = re.compile(r"(?<=/)\d+(?=/|$)")
 _US = 1e6  # the objective is in microseconds
@@ -193,7 +200,7 @@ def search_hints(
         tried: list[tuple[MemoryEstimate, Plan, dict[int, int]]] = []
 
         def propagated(choice):
-            plan = _propagate(traced, graph, mesh, {**hints, **problem.hints_for(choice)})
+            plan = plan_from_graph(traced, graph, mesh, {**hints, **problem.hints_for(choice)})
             memory = memory_estimate(graph, plan.dims, plan.axis_sizes, plan.out_dims, problem.live)
             tried.append((memory, plan, choice))
             return plan, memory
@@ -267,24 +274,6 @@ def _size(n: float) -> str:
         ('3.00 MiB', '1.50 KiB', '1234.50 MiB')
     """
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.2f} KiB"
-
-
-def _propagate(traced: Traced, graph: Graph, mesh: Mesh, hints) -> Plan:
-    """`jaxshard.make_plan`'s propagation on an already built graph (no second trace)."""
-    sizes = mesh_axis_sizes(mesh)
-    names = list(traced.in_names) + list(traced.out_names)
-    vids = list(graph.in_vids) + list(graph.out_vids)
-    pins: dict[int, Pin] = dict(graph.pins)
-    for i, pin in match_hints(hints, names, [graph.shapes[v] for v in vids], sizes).items():
-        vid = vids[i]
-        pins[vid] = merge_pins(pins[vid], pin, names[i]) if vid in pins else pin
-    prop = Propagator(graph, sizes)
-    for vid, pin in pins.items():
-        prop.pin(vid, pin)
-    prop.run()
-    prop.default(graph.in_vids, "replicated: no hint or propagation reached it")
-    prop.default(range(len(graph.shapes)), "replicated: no hint or propagation reached it")
-    return Plan(traced, graph, prop, mesh)
 
 
 def group_key(path: str) -> str:
