@@ -33,7 +33,7 @@ from jaxshard.cost import (
 from jaxshard.errors import ShardingError
 from jaxshard.graph import Graph, build_graph
 from jaxshard.lattice import DimSharding, to_spec
-from jaxshard.propagate import Conflict, Origin, Propagator
+from jaxshard.propagate import STORAGE_RANK, Conflict, Origin, Propagator
 from jaxshard.trace import Traced, trace
 
 
@@ -478,12 +478,56 @@ def plan_from_graph(
         vid = vids[i]
         pins[vid] = merge_pins(pins[vid], pin, names[i]) if vid in pins else pin
     prop = Propagator(graph, sizes, cost_model)
-    for vid, pin in pins.items():
+    compute, storage = split_storage(pins, graph)
+    for vid, pin in compute.items():
         prop.pin(vid, pin)
+    prop.run()  # the computation's layout first: it outranks every storage layout
+    for vid, pin in storage.items():
+        prop.pin(vid, pin, STORAGE_RANK)
     prop.run()
     prop.default(graph.in_vids, "replicated: no hint or propagation reached it")
     prop.default(range(len(graph.shapes)), "replicated: no hint or propagation reached it")
     return Plan(traced, graph, prop, mesh)
+
+
+def split_storage(pins: Mapping[int, Pin], graph: Graph) -> tuple[dict[int, Pin], dict[int, Pin]]:
+    """Split the pins into the computation's layout and storage layouts (FSDP/ZeRO).
+
+    The state of a step (the arguments whose new value it returns: parameters,
+    optimizer state) is where a layout can be a *storage* layout: a mesh axis that a
+    pin on anything else (the batch, an in-function hint) spends on the computation is,
+    on a state leaf, only where that leaf lives between steps. Propagation runs the
+    returned compute pins to a fixed point first; the storage pins follow at
+    `STORAGE_RANK` into what is still open (the optimizer update, the gradient), and
+    where they meet the computation's layout they lose: the parameter is gathered at its
+    use and its gradient reduce-scattered back. Returns ``(compute, storage)``: a state
+    leaf's compute pin keeps its dims' other axes, its storage pin is the whole pin.
+
+    Example (FSDP: ``w`` on the batch's axis; ``x`` is data, ``w`` is state):
+        >>> from types import SimpleNamespace
+        >>> g = SimpleNamespace(in_vids=[0, 1], out_vids=[2], ties=[(1, 0)])
+        >>> pins = {0: Pin((("data",), None), "batch"), 1: Pin((("data",), ("model",)), "w")}
+        >>> compute, storage = split_storage(pins, g)
+        >>> compute[1].dims, storage[1].dims
+        ((None, ('model',)), (('data',), ('model',)))
+    """
+    state = {graph.in_vids[i] for i, _ in graph.ties} | {graph.out_vids[o] for _, o in graph.ties}
+    used = {ax for vid, pin in pins.items() if vid not in state for d in pin.dims for ax in d or ()}
+    compute, storage = {}, {}
+    for vid, pin in pins.items():
+        stored = vid in state and any(ax in used for d in pin.dims for ax in d or ())
+        if not stored:
+            compute[vid] = pin
+            continue
+        storage[vid] = pin
+        kept = tuple(
+            d if d is None or not any(ax in used for ax in d) else None
+            if all(ax in used for ax in d) else tuple(ax for ax in d if ax not in used)
+            for d in pin.dims
+        )  # fmt: skip
+        if any(d is not None for d in kept):
+            compute[vid] = Pin(kept, pin.source, pin.kind, pin.parts)
+    return compute, storage
 
 
 def _replan(traced: Traced, graph: Graph, mesh: Mesh, saved: SavedPlan) -> Plan:

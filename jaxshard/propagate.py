@@ -38,6 +38,13 @@ NEED = FactorKind.NEED_REPLICATION
 Proposal = tuple[Axes, int, int, int, bool]
 
 
+# Conflict priorities of a dim's origin, highest first. A storage layout is a hint on a
+# parameter or optimizer state that uses a mesh axis the computation spends on something
+# else (FSDP: a weight dim on the batch's axis): where it meets a layout derived from the
+# other hints, the other hints win and the stored value is resharded at its use.
+HINT_RANK, STORAGE_RANK, DEFAULT_RANK = 2, 1, 0
+
+
 class Origin(NamedTuple):
     """Why a dim has its sharding: a hint, propagation through an app, or a default.
     (A named tuple: one is made per propagated dim, so it must be cheap to create.)"""
@@ -47,7 +54,12 @@ class Origin(NamedTuple):
     app: int = -1  # for "propagated": the application it came through
     source: int = -1  # for "propagated": the value it came from
     source_dim: int = -1  # ... and that value's dim
-    from_hint: bool = False  # a hint, or propagated from one (beats defaults in conflicts)
+    rank: int = 0  # its pin's priority in conflicts: DEFAULT_RANK, STORAGE_RANK or HINT_RANK
+
+    @property
+    def from_hint(self) -> bool:
+        """A hint (or a storage layout), or propagated from one: beats defaults."""
+        return self.rank > DEFAULT_RANK
 
 
 @dataclass
@@ -146,14 +158,16 @@ class Propagator:
 
     # --- seeding -------------------------------------------------------------------
 
-    def pin(self, vid: int, pin: Pin) -> None:
-        """Set the dims a user pinned (a hint) and queue their applications."""
+    def pin(self, vid: int, pin: Pin, rank: int = HINT_RANK) -> None:
+        """Set the dims a user pinned (a hint) and queue their applications. ``rank``
+        (`HINT_RANK` or `STORAGE_RANK`) is the priority of what propagates from them when
+        it meets another hint's layout in a conflict."""
         dims, origins = self.state.dims[vid], self.state.origins[vid]
         self.hinted.add(vid)
         for d, value in enumerate(pin.dims):
             if value is not None:
                 dims[d] = value
-                origins[d] = Origin("hint", pin.source, from_hint=True)
+                origins[d] = Origin("hint", pin.source, rank=rank)
         self._enqueue(self.uses[vid])
 
     def default(self, vids: Iterable[int], text: str) -> None:
@@ -223,9 +237,9 @@ class Propagator:
                 continue  # an axis may shard one dim only; the final pass records a reshard
             if origin is None:
                 origin = self._origin(first)
-                if len(props) > 1 and not origin.from_hint:  # agreeing proposals: one
-                    found = (self._origin(p) for p in props[1:])  # from a hint, if any
-                    origin = next((o for o in found if o.from_hint), origin)
+                if len(props) > 1 and origin.rank < HINT_RANK:  # agreeing proposals: the
+                    found = [self._origin(p) for p in props[1:]]  # highest-ranked origin
+                    origin = max([origin, *found], key=lambda o: o.rank)
             state[d] = axes
             origins[vid][d] = origin
             if len(props) == 1:
@@ -249,7 +263,7 @@ class Propagator:
             app=a,
             source=src,
             source_dim=src_dim,
-            from_hint=root is not None and root.from_hint,
+            rank=DEFAULT_RANK if root is None else root.rank,
         )
 
     def _resolve_value(self, vid: int, d: int, proposals: list[Proposal]) -> tuple[Axes, Origin]:
@@ -259,11 +273,11 @@ class Propagator:
             holders = options.setdefault(axes, [])
             if (origin.source, origin.source_dim) not in holders:
                 holders.append((origin.source, origin.source_dim))
-        pool = sorted({axes for axes, o in props if o.from_hint}) or sorted(options)
-        chosen, reason = self._decide(pool, options)
+        top = max(o.rank for _, o in props)
+        pool = sorted({axes for axes, o in props if o.rank == top})
+        chosen, reason = self._decide(pool, options, ranked=top > DEFAULT_RANK)
         name = self.graph.names.get(vid, f"%{vid}")
-        chosen_origins = [o for axes, o in props if axes == chosen]
-        origin = next((o for o in chosen_origins if o.from_hint), chosen_origins[0])
+        origin = max((o for axes, o in props if axes == chosen), key=lambda o: o.rank)
         self.state.conflicts[(-1 - vid, d)] = Conflict(
             origin.app,
             f"dim {d} of {name}",
@@ -278,12 +292,15 @@ class Propagator:
         pool: list[Axes],
         options: dict[Axes, list[tuple[int, int]]],
         results: set[int] = frozenset(),
+        ranked: bool = True,
     ) -> tuple[Axes, str]:
-        """The policy: options derived from hints beat defaults, then the cheapest
-        reshards (bytes per device, or seconds under the cost model). Operands move from
-        their layout to the chosen one; ``results`` move from the chosen one to theirs."""
+        """The policy: options derived from hints beat defaults (and from other hints,
+        storage layouts), then the cheapest reshards (bytes per device, or seconds under
+        the cost model). ``pool`` holds the highest-ranked options (``ranked``: above a
+        default). Operands move from their layout to the chosen one; ``results`` move from
+        the chosen one to theirs."""
         if len(pool) == 1:
-            return pool[0], "a hinted sharding beats a default"
+            return pool[0], _RANK_REASON if ranked else "the only option"
         costs = {option: self._cost_to(option, options, results) for option in pool}
         chosen = min(pool, key=lambda o: (costs[o], -len(o), o))
         shown = ", ".join(f"{format_dim(o)}: {self._shown(costs[o])}" for o in pool)
@@ -405,10 +422,11 @@ class Propagator:
         for axes, vid, d in cands:
             options.setdefault(axes, []).append((vid, d))
         origins = self.state.origins
-        pool = sorted({axes for axes, vid, d in cands if origins[vid][d].from_hint}) or sorted(
-            options
-        )
-        chosen, reason = self._decide(pool, options, set(self.graph.apps[a].results))
+        rank = {c: origins[c[1]][c[2]].rank for c in cands}
+        top = max(rank.values())
+        pool = sorted({c[0] for c in cands if rank[c] == top})
+        results = set(self.graph.apps[a].results)
+        chosen, reason = self._decide(pool, options, results, ranked=top > DEFAULT_RANK)
         name = self.graph.apps[a].rule.factors[f].name
         self.state.conflicts[(a, f)] = Conflict(a, f"factor {name}", options, chosen, reason)
         return chosen
@@ -434,8 +452,9 @@ class Propagator:
             holders = {
                 f: [(vid, d) for axes, vid, d in cands.get(f, ()) if axis in axes] for f in fs
             }
-            hinted = [f for f in fs if any(origins[v][d].from_hint for v, d in holders[f])]
-            pool = hinted or fs
+            rank = {f: max((origins[v][d].rank for v, d in holders[f]), default=0) for f in fs}
+            top = max(rank.values())
+            pool = [f for f in fs if rank[f] == top]
             costs = {}
             for f in pool:
                 trial = dict(values)
@@ -445,7 +464,7 @@ class Propagator:
                 costs[f] = self._app_cost(a, trial)
             chosen = min(pool, key=lambda f: (costs[f], factors[f].kind is FactorKind.REDUCTION, f))
             if len(pool) == 1:
-                reason = "a hinted sharding beats a default"
+                reason = _RANK_REASON
             else:
                 shown = ", ".join(f"to {factors[f].name}: {self._shown(costs[f])}" for f in pool)
                 reason = self._cost_reason(shown)
@@ -599,6 +618,9 @@ class Propagator:
                         changed = True
                 return changed
         return False
+
+
+_RANK_REASON = "a hinted sharding beats a default, and another hint beats a storage layout"
 
 
 def _axis_twice(shardings: Iterable[Axes]) -> bool:
