@@ -21,7 +21,10 @@ import tomllib
 import jaxshard
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGE_DIRS = (pathlib.Path(jaxshard.__file__).parent, pathlib.Path(jaxshard.rules.__file__).parent)
+PACKAGE_DIRS = (
+    pathlib.Path(jaxshard.__file__).parent,
+    pathlib.Path(jaxshard.rules.__file__).parent,
+)
 
 # Integrations the package supports without depending on them: each is imported inside a
 # function, only once the user's program has imported it (``"flax" in sys.modules``), and
