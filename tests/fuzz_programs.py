@@ -8,7 +8,10 @@ comparisons and selects, `dot_general` with random batch/contracting/free dims,
 reductions (with and without keepdims), reshapes (merge, split, arbitrary
 refactorization), transposes, slices, concatenations, broadcasts, gathers (embedding
 lookups, `take` along any axis, indices computed in the program), scans over a stacked
-leading dim (elementwise and matmul bodies), and `jaxshard.hint` on intermediates.
+leading dim (elementwise and matmul bodies), and `jaxshard.hint` on intermediates. Half
+the programs also return a new value of their argument, as a train step returns new
+parameters: the arguments are then the step's state, and a hint on them that uses a mesh
+axis the other hints spend on the computation is a storage layout (FSDP).
 
 Shapes stay small (dims 1..16, at most 4096 elements, rank at most 4) so compiles stay
 cheap. Values that are bit-for-bit reproducible under any sharding ("exact": arguments,
@@ -100,10 +103,15 @@ class Case:
     outs: tuple[str, ...]
     hints: dict[str, P] = field(default_factory=dict)
     n_ops: int = 0
+    state: bool = False  # also return a new value of ``p``: its leaves are the step's state
 
     def source(self) -> str:
         lines = ["def f(p):", *("    " + line for line in self.body)]
-        lines.append(f"    return ({', '.join(self.outs)},)")
+        outs = ", ".join(self.outs)
+        if self.state:  # like a train step's new parameters: the same tree as ``p``
+            lines.append("    new = {k: v * 2 if v.dtype == jnp.float32 else v for k, v in p.items()}")
+            outs += ", new"
+        lines.append(f"    return ({outs},)")
         return "\n".join(lines)
 
     def fn(self):
@@ -539,4 +547,6 @@ def cases(draw, max_ops: int = 6, meshes: tuple[str, ...] = tuple(MESHES)) -> Ca
     for i, v in enumerate(outs):
         if not v.hinted and draw(st.integers(0, 3)) == 0:
             hints[f"out/{i}"] = draw_spec(draw, v.shape, sizes)
-    return Case(mesh_key, tuple(b.args), tuple(b.body), tuple(v.expr for v in outs), hints, done)
+    state = draw(st.booleans())  # the arguments' hints may then be storage layouts (FSDP)
+    outs_text = tuple(v.expr for v in outs)
+    return Case(mesh_key, tuple(b.args), tuple(b.body), outs_text, hints, done, state)
