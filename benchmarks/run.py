@@ -3,8 +3,9 @@
     python -m benchmarks.run            # the full run (about 10-15 minutes on 2 cores)
     python -m benchmarks.run --quick    # a smoke run of every code path; writes results/quick/
 
-Sections: planning speed (`benchmarks.speed`), plan quality (`benchmarks.quality`) and
-step time on the simulated CPU mesh (noisy). Runs on 8 simulated CPU devices.
+Sections: planning speed (`benchmarks.speed`), plan quality (`benchmarks.quality`), step
+time on the simulated CPU mesh (noisy), and every hint set against Shardy alone with the
+Pareto pictures (`benchmarks.never_lose`). Runs on 8 simulated CPU devices.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ if __package__ in (None, ""):  # `python benchmarks/run.py`
 import jax  # noqa: E402
 
 import benchmarks  # noqa: E402, F401  (sets the simulated device count before JAX loads)
-from benchmarks import quality, speed  # noqa: E402
+from benchmarks import never_lose, quality, speed  # noqa: E402
 from benchmarks.workloads import SPEED_BATCH, SPEED_WIDTHS, quality_workloads  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -152,7 +153,8 @@ def _write(out: str, name: str, text: str) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: small models, few reps")
-    parser.add_argument("--only", choices=("speed", "quality"), help="run one section")
+    parser.add_argument("--only", choices=("speed", "quality", "never_lose"),
+                        help="run one section")  # fmt: skip
     parser.add_argument("--compile-all", action="store_true",
                         help="also XLA-compile the 24- and 48-layer unrolled programs (slow)")  # fmt: skip
     parser.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
@@ -241,9 +243,18 @@ def main(argv=None) -> None:
         _write(out, "step_time.md", text)
         sections.append(text)
 
+    if args.only in (None, "never_lose"):
+        t0 = time.perf_counter()
+        points = never_lose.run(quick=args.quick, log=log)
+        summary["never_lose"] = points
+        log(f"[never lose] section took {time.perf_counter() - t0:.0f} s")
+        text = never_lose.report(points, out, f"{env} {load_now()}")
+        _write(out, "never_lose.md", text)
+        sections.append(text)
+
     print("\n\n".join(sections))
     seconds = time.perf_counter() - start
-    if len(summary) == 2:  # both sections: the summary, and README's Benchmarks section
+    if len(summary) == 3:  # every section: the summary, and README's Benchmarks section
         text = summary_text(summary, env, seconds, args)
         _write(out, "summary.md", text)
         if not args.quick and args.out is None and not args.no_readme:
@@ -269,6 +280,8 @@ def summary_text(summary: dict, env: str, seconds: float, args) -> str:
     errors = [r.loss_err for r in summary["quality"] if r.loss_err is not None]
     loss_err = max(errors, default=float("nan"))
     command = "python -m benchmarks.run" + (" --quick" if args.quick else "")
+    models = dict.fromkeys(p.model for p in summary["never_lose"])
+    pictures = "\n".join(f"![{m}](benchmarks/results/{never_lose.picture_name(m)})" for m in models)
     return f"""## Benchmarks
 
 `{command}` measures everything below in one run ({seconds / 60:.1f} minutes for this
@@ -307,7 +320,20 @@ expert layouts. Every layout's loss is compared with the unsharded step's: at mo
 jaxshard's predicted bytes and more jaxshard hint sets:
 [quality.md](benchmarks/results/quality.md).
 
-{quality.headline_table(summary["quality"])}"""
+{quality.headline_table(summary["quality"])}
+### Never lose to Shardy alone
+
+Every hint set of every model on the 2x4 mesh, jaxshard against `jax.jit` with the same
+hints ("Shardy alone"), as **ring bytes · memory per device**, from the compiled
+programs. The guarantee is checked against Shardy alone returning the new parameters and
+optimizer state in the layout it took them (what a training loop runs step after step):
+at most 1.05x the bytes and 1.0x the memory. With results left free, XLA may return the
+state in another layout than it took; that column is shown too. Method and pictures:
+[never_lose.md](benchmarks/results/never_lose.md).
+
+{never_lose.table(summary["never_lose"])}
+{pictures}
+"""
 
 
 def update_readme(text: str) -> None:

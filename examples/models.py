@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 Params = Any
 Batch = dict[str, jax.Array]
@@ -575,3 +576,44 @@ MODELS: dict[str, tuple[type, Callable, Callable, Callable]] = {
     "conv": (ConvConfig, init_conv, conv_loss, make_batch_conv),
     "vit": (ViTConfig, init_vit, vit_loss, make_batch_vit),
 }
+
+
+# Hint sets per model on a (data, model) mesh, each with the batch on "data": tensor
+# parallel ("tp"), FSDP (a weight dim stored on the batch's axis), FSDP + tensor parallel
+# or expert parallel, and the batch alone. The plan-quality tests and benchmarks use them.
+_BATCH = {r"batch/.*": P("data")}
+HINT_SETS: dict[str, dict[str, dict[str, P]]] = {
+    "gpt": {
+        "tp": {**_BATCH, r"params/layers/\d+/attn/wq": P(None, "model"), r"params/layers/\d+/mlp/w1": P(None, "model")},
+        "fsdp": {**_BATCH, r"params/layers/\d+/mlp/w1": P("data")},
+        "fsdp+tp": {**_BATCH, r"params/layers/\d+/attn/wq": P("data", "model"),
+                    r"params/layers/\d+/mlp/w1": P("data", "model")},
+        "batch": {**_BATCH},
+    },
+    "llama": {
+        "tp": {**_BATCH, r"params/layers/wq": P(None, None, "model"), r"params/layers/w_gate": P(None, None, "model")},
+        "fsdp": {**_BATCH, r"params/layers/w_gate": P(None, "data")},
+        "fsdp+tp": {**_BATCH, r"params/layers/wq": P(None, "data", "model"),
+                    r"params/layers/w_gate": P(None, "data", "model")},
+        "batch": {**_BATCH},
+    },
+    "moe": {
+        "tp": {**_BATCH, r"params/experts/w_in": P(None, None, "model")},
+        "fsdp": {**_BATCH, r"params/experts/w_in": P(None, "data")},
+        "expert": {**_BATCH, r"params/experts/w_in": P("model")},
+        "batch": {**_BATCH},
+    },
+    "conv": {
+        "tp": {**_BATCH, r"params/blocks/\d+/conv1": P(None, None, None, "model")},
+        "fsdp": {**_BATCH, r"params/blocks/\d+/conv1": P(None, None, "data")},
+        "fsdp+tp": {**_BATCH, r"params/blocks/\d+/conv1": P(None, None, "data", "model")},
+        "batch": {**_BATCH},
+    },
+    "vit": {
+        "tp": {**_BATCH, r"params/layers/\d+/attn/wq": P(None, "model"), r"params/layers/\d+/mlp/w1": P(None, "model")},
+        "fsdp": {**_BATCH, r"params/layers/\d+/mlp/w1": P("data")},
+        "fsdp+tp": {**_BATCH, r"params/layers/\d+/attn/wq": P("data", "model"),
+                    r"params/layers/\d+/mlp/w1": P("data", "model")},
+        "batch": {**_BATCH},
+    },
+}  # fmt: skip

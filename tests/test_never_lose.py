@@ -24,42 +24,7 @@ from jax.sharding import PartitionSpec as P
 import jaxshard
 from jaxshard.baseline import compiled_cost, shardy_alone
 
-BATCH = {r"batch/.*": P("data")}
-HINT_SETS = {
-    "gpt": {
-        "tp": {r"params/layers/\d+/attn/wq": P(None, "model"), r"params/layers/\d+/mlp/w1": P(None, "model")},
-        "fsdp": {r"params/layers/\d+/mlp/w1": P("data")},
-        "fsdp+tp": {r"params/layers/\d+/attn/wq": P("data", "model"),
-                    r"params/layers/\d+/mlp/w1": P("data", "model")},
-        "batch": {},
-    },
-    "llama": {
-        "tp": {r"params/layers/wq": P(None, None, "model"), r"params/layers/w_gate": P(None, None, "model")},
-        "fsdp": {r"params/layers/w_gate": P(None, "data")},
-        "fsdp+tp": {r"params/layers/wq": P(None, "data", "model"),
-                    r"params/layers/w_gate": P(None, "data", "model")},
-        "batch": {},
-    },
-    "moe": {
-        "tp": {r"params/experts/w_in": P(None, None, "model")},
-        "fsdp": {r"params/experts/w_in": P(None, "data")},
-        "expert": {r"params/experts/w_in": P("model")},
-        "batch": {},
-    },
-    "conv": {
-        "tp": {r"params/blocks/\d+/conv1": P(None, None, None, "model")},
-        "fsdp": {r"params/blocks/\d+/conv1": P(None, None, "data")},
-        "fsdp+tp": {r"params/blocks/\d+/conv1": P(None, None, "data", "model")},
-        "batch": {},
-    },
-    "vit": {
-        "tp": {r"params/layers/\d+/attn/wq": P(None, "model"), r"params/layers/\d+/mlp/w1": P(None, "model")},
-        "fsdp": {r"params/layers/\d+/mlp/w1": P("data")},
-        "fsdp+tp": {r"params/layers/\d+/attn/wq": P("data", "model"),
-                    r"params/layers/\d+/mlp/w1": P("data", "model")},
-        "batch": {},
-    },
-}  # fmt: skip
+HINT_SETS = models.HINT_SETS
 CASES = [(m, h) for m, sets in HINT_SETS.items() for h in sets]
 
 
@@ -77,7 +42,7 @@ def _workload(name: str, optimizer: str = "adamw"):
 def test_plan_never_loses_to_shardy_alone(mesh, model, hint_set):
     step, args = _workload(model)
     abstract = jax.eval_shape(lambda a: a, args)
-    hints = {**BATCH, **HINT_SETS[model][hint_set]}
+    hints = HINT_SETS[model][hint_set]
     ours = compiled_cost(jaxshard.auto_shard(mesh, hints)(step).lower(*abstract).compile(), mesh)
     base = compiled_cost(shardy_alone(step, abstract, mesh, hints).compile(), mesh)
     assert ours.bytes <= 1.05 * base.bytes, f"collective bytes {ours.bytes:.0f} vs {base.bytes:.0f}"
@@ -90,10 +55,10 @@ def test_fsdp_weight_is_stored_sharded_and_gathered_at_use(mesh, model):
     is all-gathered for its use, its layout never reaches the activations (no
     all-to-all), and SGD steps match the unsharded ones."""
     step, (params, opt_state, batch) = _workload(model, "sgd")
-    hints = {**BATCH, **HINT_SETS[model]["fsdp"]}
+    hints = HINT_SETS[model]["fsdp"]
     sharded, reference = jaxshard.auto_shard(mesh, hints)(step), jax.jit(step)
     plan = sharded.plan(params, opt_state, batch)
-    ((key, spec),) = HINT_SETS[model]["fsdp"].items()
+    ((key, spec),) = [(k, v) for k, v in hints.items() if not k.startswith("batch")]
     in_specs = jax.tree.leaves(plan.in_specs, is_leaf=lambda x: isinstance(x, P))
     stored = {n: s for n, s in zip(plan.traced.in_names, in_specs) if re.fullmatch(key, n)}
     assert stored and all(s == spec for s in stored.values()), stored
