@@ -164,10 +164,16 @@ class Propagator:
         it meets another hint's layout in a conflict."""
         dims, origins = self.state.dims[vid], self.state.origins[vid]
         self.hinted.add(vid)
+        pinned = {ax for value in pin.dims if value for ax in value}
         for d, value in enumerate(pin.dims):
             if value is not None:
                 dims[d] = value
                 origins[d] = Origin("hint", pin.source, rank=rank)
+            elif dims[d] and pinned.intersection(dims[d]):
+                # propagation reached this dim before the pin (a storage pin comes after
+                # the computation's layout): the pinned dims keep their axes
+                dims[d] = tuple(ax for ax in dims[d] if ax not in pinned)
+                origins[d] = Origin("hint", f"{pin.source} (its axes removed here)", rank=rank)
         self._enqueue(self.uses[vid])
 
     def default(self, vids: Iterable[int], text: str) -> None:

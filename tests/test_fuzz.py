@@ -78,6 +78,31 @@ def _pinned(body, hints, outs=("v0",)):
 # Failures the fuzzer found, minimized: explicit examples of every property (so they are
 # always tried first) and regular tests below.
 PINNED = {
+    "storage-pin-after-propagation-reached-another-dim": Case(
+        "data2_model4",
+        (Arg("a0", (4, 4), "bool"), Arg("a1", (4, 4), "float32")),
+        ("v0 = jax.lax.select(p['a0'], p['a1'], p['a1'] * 0)",
+         "v0 = jaxshard.hint(v0, P('data'))"),
+        ("v0",),
+        {"p/a1": P(P.UNCONSTRAINED, "data")},
+        n_ops=2,
+        state=True,
+    ),  # fmt: skip
+    "storage-pin-on-a-scan-carry": Case(
+        "data2_model4",
+        (Arg("a1", (4, 4, 4), "float32"), Arg("a2", (4, 2), "int32", high=4),
+         Arg("a3", (4, 2), "int32")),
+        ("v0 = jnp.take(p['a1'], p['a2'], axis=0)",
+         "v1 = jnp.broadcast_to(p['a2'], (4, 4, 2))",
+         "v0 = jaxshard.hint(v0, P(P.UNCONSTRAINED, 'data', P.UNCONSTRAINED, P.UNCONSTRAINED))",
+         "def body2(c, x):", "    c = c + x", "    return c, c * x",
+         "v2, v2_ys = jax.lax.scan(body2, p['a3'], v1)",
+         "v3 = v2.reshape((2, 2, 2))", "v4 = v3 + v3"),
+        ("v4",),
+        {"p/a3": P("data"), "out/0": P()},
+        n_ops=6,
+        state=True,
+    ),  # fmt: skip
     "add-rows-and-columns-on-x": _pinned(
         ("v0 = p['a0'] + p['a1']",), {"p/a0": P("x"), "p/a1": P(None, "x")}
     ),
