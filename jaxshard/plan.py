@@ -519,15 +519,26 @@ def split_storage(pins: Mapping[int, Pin], graph: Graph) -> tuple[dict[int, Pin]
         if not stored:
             compute[vid] = pin
             continue
-        storage[vid] = pin
-        kept = tuple(
-            d if d is None or not any(ax in used for ax in d) else None
-            if all(ax in used for ax in d) else tuple(ax for ax in d if ax not in used)
-            for d in pin.dims
-        )  # fmt: skip
+        axes = sorted({ax for d in pin.dims for ax in d or () if ax in used})
+        note = f" (storage: the computation spends {', '.join(map(repr, axes))} elsewhere)"
+        storage[vid] = Pin(pin.dims, pin.source + note, pin.kind, pin.parts)
+        kept = tuple(_compute_part(d, used) for d in pin.dims)
         if any(d is not None for d in kept):
             compute[vid] = Pin(kept, pin.source, pin.kind, pin.parts)
     return compute, storage
+
+
+def _compute_part(dim: DimSharding, used: set[str]) -> DimSharding:
+    """A pinned dim less the storage axes: open when only those pinned it.
+
+    Example:
+        >>> _compute_part(("data", "model"), {"data"}), _compute_part(("data",), {"data"})
+        (('model',), None)
+    """
+    if dim is None or not used.intersection(dim):
+        return dim
+    rest = tuple(ax for ax in dim if ax not in used)
+    return rest or None
 
 
 def _replan(traced: Traced, graph: Graph, mesh: Mesh, saved: SavedPlan) -> Plan:
