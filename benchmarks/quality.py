@@ -22,7 +22,6 @@ several runs; noisy). Every layout's loss is checked against the unsharded `jax.
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 import traceback
@@ -36,8 +35,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxshard
+from jaxshard.baseline import shardy_alone
 from jaxshard.plan import mesh_axis_sizes
-from jaxshard.trace import arg_names
 
 from . import layouts
 from .hlo import collective_stats
@@ -130,17 +129,13 @@ def _jit(w: Workload, mesh, in_specs, out_specs) -> Built:
 
 
 def _shardy_alone(w: Workload, mesh, hints) -> Built:
-    """The hints as in_shardings of the arguments they match; everything else replicated."""
-    names = arg_names(w.step, w.args, {})[0]
-    tree = jax.tree.structure(w.args)
-    specs = []
-    for name in names:
-        spec = P()
-        for pattern, hint in hints.items():
-            if re.fullmatch(pattern, name):
-                spec = P(*(None if e is P.UNCONSTRAINED else e for e in hint))
-        specs.append(spec)
-    return _jit(w, mesh, jax.tree.unflatten(tree, specs), None)
+    """The hints as in_shardings of the arguments they match; everything else replicated,
+    results left to XLA (`jaxshard.baseline.shardy_alone`)."""
+    compiled = shardy_alone(w.step, w.args, mesh, hints, results="free").compile()
+    in_shardings = compiled.input_shardings[0]
+    return Built(
+        compiled, lambda args: jax.device_put(args, in_shardings), lambda args: compiled(*args)[2]
+    )
 
 
 def _expert(w: Workload, mesh, layout: layouts.Layout) -> Built:
