@@ -477,8 +477,24 @@ def plan_from_graph(
     for i, pin in match_hints(hints or {}, names, [graph.shapes[v] for v in vids], sizes).items():
         vid = vids[i]
         pins[vid] = merge_pins(pins[vid], pin, names[i]) if vid in pins else pin
-    prop = Propagator(graph, sizes, cost_model)
     compute, storage = split_storage(pins, graph)
+    plan = _propagate(traced, graph, mesh, compute, storage, cost_model)
+    groups: dict[str, list[int]] = {}  # storage pins by the hint that made them
+    for vid in storage:
+        groups.setdefault(pins[vid].source, []).append(vid)
+    for vids in groups.values():  # each hint's axes shard the computation instead?
+        trial_compute = {**compute, **{v: pins[v] for v in vids}}
+        trial_storage = {v: p for v, p in storage.items() if v not in vids}
+        trial = _propagate(traced, graph, mesh, trial_compute, trial_storage, cost_model)
+        if trial.predicted_bytes < plan.predicted_bytes:
+            plan, compute, storage = trial, trial_compute, trial_storage
+    return plan
+
+
+def _propagate(traced, graph, mesh, compute, storage, cost_model) -> Plan:
+    """Propagation from the computation's pins to a fixed point, then from the storage
+    pins (`split_storage`), then defaults: the plan."""
+    prop = Propagator(graph, mesh_axis_sizes(mesh), cost_model)
     for vid, pin in compute.items():
         prop.pin(vid, pin)
     prop.run()  # the computation's layout first: it outranks every storage layout
@@ -502,6 +518,10 @@ def split_storage(pins: Mapping[int, Pin], graph: Graph) -> tuple[dict[int, Pin]
     where they meet the computation's layout they lose: the parameter is gathered at its
     use and its gradient reduce-scattered back. Returns ``(compute, storage)``: a state
     leaf's compute pin keeps its dims' other axes, its storage pin is the whole pin.
+    Whether a hint's axes are better spent on the computation after all (expert
+    parallelism puts the experts dim on the batch's axis on purpose) is priced by
+    `plan_from_graph`: it plans each storage hint both ways and keeps the plan that
+    moves fewer bytes.
 
     Example (FSDP: ``w`` on the batch's axis; ``x`` is data, ``w`` is state):
         >>> from types import SimpleNamespace
