@@ -101,6 +101,47 @@ class Pin:
         return next((p for p in self.parts if p.dims[dim] is not None), self)
 
 
+def open_unnamed(spec: PartitionSpec, rank: int) -> PartitionSpec:
+    """An explicit-sharding spec as a partial spec: the axes it names pin their dims and
+    the dims it types unsharded are left to the planner (an explicit type cannot say
+    "unconstrained", so ``None`` there means "not sharded here", not "must replicate").
+
+    Example:
+        >>> open_unnamed(PartitionSpec("data", None), 3)
+        P('data', UNCONSTRAINED, UNCONSTRAINED)
+    """
+    entries = list(spec) + [None] * (rank - len(spec))
+    return PartitionSpec(*(PartitionSpec.UNCONSTRAINED if e is None else e for e in entries))
+
+
+# parameters by which explicit-sharding code fixes an equation's result type
+# (dot_general, reshape, broadcast_in_dim, iota, reductions, convert_element_type, ...)
+_RESULT_SHARDING_PARAMS = ("out_sharding", "sharding")
+
+
+def written_sharding(eqn: Any) -> PartitionSpec | None:
+    """The spec an equation's ``out_sharding=``/``sharding=`` parameter fixes for its
+    result when it names mesh axes, else None (JAX fills these in only from explicit
+    types, so axis names there come from the program's annotations).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((1, 1), ("data", "model"))
+        >>> f = lambda x: jnp.einsum("ij,jk->ik", x, x, out_sharding=P("data"))
+        >>> with jax.set_mesh(mesh):
+        ...     eqn = jax.make_jaxpr(f)(jnp.ones((2, 2))).eqns[0]
+        >>> written_sharding(eqn)
+        P('data',)
+    """
+    params = eqn.params
+    for key in _RESULT_SHARDING_PARAMS:
+        spec = getattr(params.get(key), "spec", None)
+        if spec is not None and any(e is not None for e in spec):
+            return spec
+    return None
+
+
 def spec_text(spec: Any) -> str:
     """A partial spec as the user would write it.
 

@@ -17,7 +17,16 @@ from typing import Any, NamedTuple
 import jax
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
-from jaxshard.annotate import Pin, PinKind, hint_p, merge_pins, pin_from_spec, spec_text
+from jaxshard.annotate import (
+    Pin,
+    PinKind,
+    hint_p,
+    merge_pins,
+    open_unnamed,
+    pin_from_spec,
+    spec_text,
+    written_sharding,
+)
 from jaxshard.errors import JaxshardBug, JaxshardWarning, warn
 from jaxshard.lattice import merge_dim
 from jaxshard.rule import (
@@ -126,6 +135,10 @@ def build_graph(traced: Traced, axis_sizes: Mapping[str, int]) -> Graph:
     g.in_vids = [g.new_value(v.aval) for v in closed.jaxpr.invars]
     for vid, name in zip(g.in_vids, traced.in_names):
         g.names[vid] = name
+    for vid, name, spec in zip(g.in_vids, traced.in_names, traced.in_types):
+        if spec is not None:  # an argument's explicit type pins the axes it names
+            source = f"the explicit sharding of argument {name}: {spec_text(spec)}"
+            _pin_explicit(g, vid, spec, name, source, axis_sizes)
     g.out_vids = _build(g, closed.jaxpr, g.in_vids, (), axis_sizes)
     g.eqn_rules.clear()  # keyed by object ids: valid only while building
     for vid, name in zip(g.out_vids, traced.out_names):
@@ -239,7 +252,21 @@ def _build(
         if rule is None:
             rule = g.eqn_rules[id(eqn)] = _rule(g, rule_fn, eqn, enclosing)
         g.apps.append(App(rule, tuple(operands), tuple(results), "eqn", eqn, enclosing))
+        written = written_sharding(eqn) if eqn.params else None
+        if written is not None:
+            where = f"{primitive.name} at {source_line(eqn, enclosing)}"
+            source = f"out_sharding={spec_text(written)} of {where}"
+            _pin_explicit(g, results[0], written, where, source, axis_sizes)
     return [read(v) for v in jaxpr.outvars]
+
+
+def _pin_explicit(g: Graph, vid: int, spec, where: str, source: str, axis_sizes) -> None:
+    """Pin the axes an explicit sharding names on a value (its unsharded dims stay open),
+    as a layout the program fixes."""
+    partial = open_unnamed(spec, len(g.shapes[vid]))
+    pin = pin_from_spec(partial, g.shapes[vid], axis_sizes, where, source)
+    pin = Pin(pin.dims, source, PinKind.PROGRAM)
+    g.pins[vid] = merge_pins(g.pins[vid], pin, g.value_name(vid)) if vid in g.pins else pin
 
 
 def _rule(g: Graph, rule_fn, eqn: JaxprEqn, enclosing: Where) -> Rule:
