@@ -77,6 +77,8 @@ class PinKind(enum.Enum):
     HINTS = "an entry of the hints dict"  # a regex, or Flax metadata as an exact path
     IN_FUNCTION = "a jaxshard.hint call"
     PROGRAM = "a layout the program fixes"  # shard_map specs, with_sharding_constraint
+    # explicit-sharding style: out_sharding=, reshard, an argument's explicit type
+    EXPLICIT = "an explicit-sharding annotation"
 
 
 @dataclass(frozen=True)
@@ -290,7 +292,12 @@ def merge_pins(a: Pin, b: Pin, where: str) -> Pin:
     return Pin(tuple(dims), f"{a.source} + {b.source}", a.kind, parts)
 
 
-_FIX_NAME = {PinKind.HINTS: "the hints entry", PinKind.IN_FUNCTION: "the jaxshard.hint"}
+_FIX_NAME = {
+    PinKind.HINTS: "the hints entry",
+    PinKind.IN_FUNCTION: "the jaxshard.hint",
+    PinKind.PROGRAM: "the sharding constraint",
+    PinKind.EXPLICIT: "the explicit annotation",
+}
 
 
 def _disagreement_fix(a: Pin, b: Pin, dim: int) -> str:
@@ -302,6 +309,18 @@ def _disagreement_fix(a: Pin, b: Pin, dim: int) -> str:
         return "Keep one jaxshard.hint per value, or make the specs agree."
     if kinds == {PinKind.PROGRAM}:
         return "One value cannot have two fixed layouts; make the specs agree."
+    if PinKind.EXPLICIT in kinds:
+        fixed, other = (a, b) if a.kind is PinKind.EXPLICIT else (b, a)
+        where = (
+            "pass the argument with a sharding that agrees (or unsharded on that dim)"
+            if fixed.source.startswith("the explicit sharding of argument")
+            else "change the annotation at that line"
+        )
+        return (
+            f"{fixed.source} is an explicit-sharding annotation in the program. Change "
+            f"{_FIX_NAME[other.kind]} ({other.source}) to agree or leave dim {dim} to the "
+            f"planner (P.UNCONSTRAINED), or {where}."
+        )
     if PinKind.PROGRAM in kinds:
         fixed, other = (a, b) if a.kind is PinKind.PROGRAM else (b, a)
         return (

@@ -34,11 +34,14 @@ from jaxshard.rule import (
     annotation_fn_for,
     boundary_fn_for,
     identity_rule,
+    primitive,
     region_fn_for,
     rule_fn_for,
     shapes_of,
 )
 from jaxshard.trace import Traced
+
+_RESHARD = primitive("reshard")  # explicit-sharding style: its target is the user's annotation
 
 Path = tuple[int, ...]  # equation indices from the top jaxpr down to a nested jaxpr
 
@@ -237,6 +240,7 @@ def _build(
                 results,
                 source_line(eqn, enclosing),
                 axis_sizes,
+                PinKind.EXPLICIT if primitive is _RESHARD else PinKind.PROGRAM,
             )
             continue
         if boundary_fn is not None:
@@ -265,7 +269,7 @@ def _pin_explicit(g: Graph, vid: int, spec, where: str, source: str, axis_sizes)
     as a layout the program fixes."""
     partial = open_unnamed(spec, len(g.shapes[vid]))
     pin = pin_from_spec(partial, g.shapes[vid], axis_sizes, where, source)
-    pin = Pin(pin.dims, source, PinKind.PROGRAM)
+    pin = Pin(pin.dims, source, PinKind.EXPLICIT)
     g.pins[vid] = merge_pins(g.pins[vid], pin, g.value_name(vid)) if vid in g.pins else pin
 
 
@@ -298,7 +302,9 @@ def _rule(g: Graph, rule_fn, eqn: JaxprEqn, enclosing: Where) -> Rule:
     return rule
 
 
-def _pin_boundary(g: Graph, eqn, specs, operands, results, line: str, axis_sizes) -> None:
+def _pin_boundary(
+    g: Graph, eqn, specs, operands, results, line: str, axis_sizes, pin_kind=PinKind.PROGRAM
+) -> None:
     source = f"{eqn.primitive.name} at {line}"
     for kind, vids, spec_list in (("operand", operands, specs[0]), ("result", results, specs[1])):
         for i, (vid, spec) in enumerate(zip(vids, spec_list)):
@@ -307,7 +313,7 @@ def _pin_boundary(g: Graph, eqn, specs, operands, results, line: str, axis_sizes
             pin = pin_from_spec(
                 spec, g.shapes[vid], axis_sizes, f"{source}, {kind} {i}", "its spec"
             )
-            pin = Pin(pin.dims, source, PinKind.PROGRAM)
+            pin = Pin(pin.dims, source, pin_kind)
             if kind == "operand" and _program_layouts_differ(g.pins.get(vid), pin):
                 # a valid program: XLA reshards between the layouts two equations fix for
                 # one value, so this equation reads a copy, linked by a reshard
@@ -319,12 +325,15 @@ def _pin_boundary(g: Graph, eqn, specs, operands, results, line: str, axis_sizes
             )
 
 
+_FIXED = (PinKind.PROGRAM, PinKind.EXPLICIT)  # layouts the program itself fixes
+
+
 def _program_layouts_differ(old: Pin | None, new: Pin) -> bool:
     """True when ``old`` comes from layouts the program fixes only (not from the user)
     and disagrees with ``new`` on some dim."""
     return (
         old is not None
-        and all(p.kind is PinKind.PROGRAM for p in old.parts or (old,))
+        and all(p.kind in _FIXED for p in old.parts or (old,))
         and any(merge_dim(a, b)[1] for a, b in zip(old.dims, new.dims))
     )
 
