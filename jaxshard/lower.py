@@ -51,6 +51,7 @@ class Eraser:
         self.vars: dict[Any, Any] = {}  # original Var -> erased Var
         self._memo: dict[int, Any] = {}  # id(original jaxpr) -> erased jaxpr
         self._keep: list = []  # the originals, so their ids stay unique while erasing
+        self._contexts: dict[int, Any] = {}  # id(equation context) -> erased context
         self._reshard = primitive("reshard")
 
     def closed(self, closed: ClosedJaxpr) -> ClosedJaxpr:
@@ -107,9 +108,34 @@ class Eraser:
         outvars = [self._var(v) for v in eqn.outvars]
         if eqn.primitive is self._reshard and _explicit(eqn.params.get("dst_sharding")):
             # the plan pins the result with the axes the reshard named
-            return eqn.replace(primitive=prims.copy_p, invars=invars, outvars=outvars, params={})
+            return eqn.replace(
+                primitive=prims.copy_p,
+                invars=invars,
+                outvars=outvars,
+                params={},
+                ctx=self._ctx(eqn.ctx),
+            )
         params = {k: self._param(v) for k, v in eqn.params.items()}
-        return eqn.replace(invars=invars, outvars=outvars, params=params)
+        return eqn.replace(invars=invars, outvars=outvars, params=params, ctx=self._ctx(eqn.ctx))
+
+    def _ctx(self, ctx: Any) -> Any:
+        """The equation's context with its current mesh on the Auto view: lowering rules
+        that trace helper functions (integer_pow, ...) run under this mesh."""
+        mesh = getattr(ctx, "cur_abstract_mesh", None)
+        if mesh is None or AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+            return ctx
+        found = self._contexts.get(id(ctx))
+        if found is None:
+            meta = None if ctx.xla_metadata is None else tuple(sorted(ctx.xla_metadata.items()))
+            found = self._contexts[id(ctx)] = type(ctx)._create(
+                ctx.compute_type,
+                ctx.threefry_partitionable,
+                _auto_axes(mesh),
+                ctx.remove_size_one_mesh_axis,
+                meta,
+            )
+            self._keep.append(ctx)
+        return found
 
     def _param(self, value: Any) -> Any:
         if isinstance(value, NamedSharding):
