@@ -212,6 +212,19 @@ def compare(steps: int = 3, cfg: Config = Config(), mesh=None) -> list[Run]:
     return runs
 
 
+def factory():
+    """The train step, example arguments and the batch hint, for the ``jaxshard`` CLI
+    (``jaxshard explain examples/explicit_style.py:factory``).
+
+    Example:
+        >>> step, (params, tok), hints = factory()
+    """
+    cfg = Config()
+    params = init(jax.random.key(0), cfg)
+    tok = jax.random.randint(jax.random.key(1), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
+    return make_step(cfg), (params, tok), {r"tok": P("data")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)

@@ -16,6 +16,7 @@ annotations are left in the jaxpr for the graph to read as pins.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -206,8 +207,6 @@ def trace_on_mesh(fn: Callable, args: tuple, kwargs: dict, mesh: Mesh) -> Traced
         >>> trace_on_mesh(f, (jnp.ones((2, 2)),), {}, mesh).explicit
         True
     """
-    import dataclasses
-
     leaves = jax.tree_util.tree_leaves((args, kwargs))
     types = tuple(explicit_type(leaf, mesh) for leaf in leaves)
     auto = auto_view(mesh)
