@@ -145,3 +145,18 @@ def test_code_for_sharding_constraints_still_traces_on_the_auto_view(explicit_me
     plan = jaxshard.auto_shard(explicit_mesh)(f).plan(*_data())
     assert not plan.traced.explicit
     assert _value_dims(plan, "sharding_constraint")[0] == (("data",), ("model",))
+
+
+def test_creation_and_indexing_annotations(explicit_mesh):
+    def f(emb, idx):
+        rows = emb.at[idx].get(out_sharding=P("data", None))
+        bias = jnp.zeros((8, 16), out_sharding=P("data", "model"))
+        return jnp.sum((rows @ emb.T + bias) ** 2)
+
+    emb, _ = _data((16, 8))
+    idx = jnp.arange(8) % 16
+    expected, got, plan = _run_both(jax.value_and_grad(f), (emb, idx), explicit_mesh)
+    assert_leaves_match(got, expected)
+    text = plan.explain(intermediates=True)
+    assert "out_sharding=P('data', 'model') of broadcast_in_dim at " in text
+    assert "reshard at " in text  # the indexing's out_sharding
