@@ -121,10 +121,11 @@ def open_unnamed(spec: PartitionSpec, rank: int) -> PartitionSpec:
 _RESULT_SHARDING_PARAMS = ("out_sharding", "sharding")
 
 
-def written_sharding(eqn: Any) -> PartitionSpec | None:
-    """The spec an equation's ``out_sharding=``/``sharding=`` parameter fixes for its
-    result when it names mesh axes, else None (JAX fills these in only from explicit
-    types, so axis names there come from the program's annotations).
+def written_shardings(eqn: Any) -> list[tuple[int, PartitionSpec, str]]:
+    """``(result index, spec, parameter)`` for each result whose sharding an equation's parameters
+    fix and that names mesh axes: ``out_sharding=``/``sharding=`` (the one result) and
+    the per-operand shardings of a `jax.device_put` inside the function (JAX fills
+    these in only from explicit types, so axis names there come from annotations).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -133,15 +134,29 @@ def written_sharding(eqn: Any) -> PartitionSpec | None:
         >>> f = lambda x: jnp.einsum("ij,jk->ik", x, x, out_sharding=P("data"))
         >>> with jax.set_mesh(mesh):
         ...     eqn = jax.make_jaxpr(f)(jnp.ones((2, 2))).eqns[0]
-        >>> written_sharding(eqn)
-        P('data',)
+        >>> written_shardings(eqn)
+        [(0, P('data',), 'out_sharding')]
     """
     params = eqn.params
+    found = []
     for key in _RESULT_SHARDING_PARAMS:
         spec = getattr(params.get(key), "spec", None)
-        if spec is not None and any(e is not None for e in spec):
-            return spec
-    return None
+        if _names_axes(spec):
+            found.append((0, spec, key))
+            break
+    devices = params.get("devices")
+    if isinstance(devices, tuple):
+        for i, sharding in enumerate(devices[: len(eqn.outvars)]):
+            spec = getattr(sharding, "spec", None)
+            if _names_axes(spec):
+                found.append((i, spec, "devices"))
+    return found
+
+
+def _names_axes(spec: Any) -> bool:
+    return isinstance(spec, PartitionSpec) and any(
+        e is not None and e is not PartitionSpec.UNCONSTRAINED for e in spec
+    )
 
 
 def spec_text(spec: Any) -> str:

@@ -25,7 +25,7 @@ from jaxshard.annotate import (
     open_unnamed,
     pin_from_spec,
     spec_text,
-    written_sharding,
+    written_shardings,
 )
 from jaxshard.errors import JaxshardBug, JaxshardWarning, warn
 from jaxshard.lattice import merge_dim
@@ -256,11 +256,11 @@ def _build(
         if rule is None:
             rule = g.eqn_rules[id(eqn)] = _rule(g, rule_fn, eqn, enclosing)
         g.apps.append(App(rule, tuple(operands), tuple(results), "eqn", eqn, enclosing))
-        written = written_sharding(eqn) if eqn.params else None
-        if written is not None:
+        for i, written, param in written_shardings(eqn) if eqn.params else ():
             where = f"{primitive.name} at {source_line(eqn, enclosing)}"
-            source = f"out_sharding={spec_text(written)} of {where}"
-            _pin_explicit(g, results[0], written, where, source, axis_sizes)
+            name = "out_sharding" if param != "devices" else "target"
+            source = f"{name}={spec_text(written)} of {where}"
+            _pin_explicit(g, results[i], written, where, source, axis_sizes)
     return [read(v) for v in jaxpr.outvars]
 
 

@@ -151,7 +151,8 @@ def test_creation_and_indexing_annotations(explicit_mesh):
     def f(emb, idx):
         rows = emb.at[idx].get(out_sharding=P("data", None))
         bias = jnp.zeros((8, 16), out_sharding=P("data", "model"))
-        return jnp.sum((rows @ emb.T + bias) ** 2)
+        out = jax.device_put(rows @ emb.T + bias, NamedSharding(explicit_mesh, P("data", None)))
+        return jnp.sum(out**2)
 
     emb, _ = _data((16, 8))
     idx = jnp.arange(8) % 16
@@ -160,3 +161,4 @@ def test_creation_and_indexing_annotations(explicit_mesh):
     text = plan.explain(intermediates=True)
     assert "out_sharding=P('data', 'model') of broadcast_in_dim at " in text
     assert "reshard at " in text  # the indexing's out_sharding
+    assert "target=P('data', None) of device_put at " in text
