@@ -129,8 +129,11 @@ def arg_names(fn: Callable, args: tuple, kwargs: dict) -> tuple[list[str], Any]:
     return names, tree
 
 
-def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
-    """Trace ``fn(*args, **kwargs)`` to a jaxpr with named leaves.
+def trace(
+    fn: Callable, args: tuple, kwargs: dict, shardings: Sequence[Any] | None = None
+) -> Traced:
+    """Trace ``fn(*args, **kwargs)`` to a jaxpr with named leaves; ``shardings`` (one per
+    leaf, None for none) type the leaves when tracing on Explicit axes.
 
     Example:
         >>> import jax.numpy as jnp
@@ -142,6 +145,8 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
     names, in_tree = arg_names(fn, args, kwargs)
     leaves = jax.tree_util.tree_leaves((args, kwargs))
     avals = tuple(abstractify(leaf, name) for leaf, name in zip(leaves, names))
+    if shardings is not None:
+        avals = tuple(a if s is None else a.update(sharding=s) for a, s in zip(avals, shardings))
 
     def flat_fn(*flat):
         a, k = jax.tree_util.tree_unflatten(in_tree, flat)
@@ -210,24 +215,34 @@ def trace_on_mesh(fn: Callable, args: tuple, kwargs: dict, mesh: Mesh) -> Traced
     leaves = jax.tree_util.tree_leaves((args, kwargs))
     types = tuple(explicit_type(leaf, mesh) for leaf in leaves)
     auto = auto_view(mesh)
-    try:
-        with jax.set_mesh(auto):
-            return dataclasses.replace(trace(fn, args, kwargs), in_types=types)
-    except Exception as auto_error:
-        if auto is mesh:
-            raise
+    attempts: list[tuple[Mesh, Any]] = [(auto, None)]
+    if auto is not mesh:
+        # as jax.jit does: the arguments typed with their explicit shardings; then, since
+        # jaxshard replans those anyway, typed unsharded (code that cannot take the types
+        # a previous plan gave its arguments still traces)
+        typed = [None if t is None else NamedSharding(mesh, t) for t in types]
+        attempts.append((mesh, typed))
+        if any(t is not None for t in types):
+            attempts.append((mesh, None))
+    errors: list[Exception] = []
+    for on, shardings in attempts:
         try:
-            with jax.set_mesh(mesh):
-                traced = trace(fn, args, kwargs)
-        except Exception as explicit_error:
-            first = str(auto_error).splitlines()[0] if str(auto_error) else repr(auto_error)
-            explicit_error.add_note(
-                "jaxshard traced the function on the mesh's Explicit axes (as jax.jit does) "
-                "after tracing it on an Auto view of the mesh (for code that uses "
-                f"with_sharding_constraint) failed with: {type(auto_error).__name__}: {first}"
-            )
-            raise explicit_error from None
-        return dataclasses.replace(traced, in_types=types, explicit=True)
+            with jax.set_mesh(on):
+                traced = trace(fn, args, kwargs, shardings)
+        except Exception as e:  # noqa: BLE001 (the next attempt decides; all failing re-raises)
+            errors.append(e)
+            continue
+        return dataclasses.replace(traced, in_types=types, explicit=on is not auto)
+    if len(errors) == 1:
+        raise errors[0]
+    auto_error, explicit_error = errors[0], errors[1]
+    first = str(auto_error).splitlines()[0] if str(auto_error) else repr(auto_error)
+    explicit_error.add_note(
+        "jaxshard traced the function on the mesh's Explicit axes (as jax.jit does) after "
+        "tracing it on an Auto view of the mesh (for code that uses with_sharding_constraint) "
+        f"failed with: {type(auto_error).__name__}: {first}"
+    )
+    raise explicit_error from None
 
 
 def _name_for_jax(flat_fn: Callable, fn: Callable, names: Sequence[str]) -> None:

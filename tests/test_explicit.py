@@ -162,3 +162,17 @@ def test_creation_and_indexing_annotations(explicit_mesh):
     assert "out_sharding=P('data', 'model') of broadcast_in_dim at " in text
     assert "reshard at " in text  # the indexing's out_sharding
     assert "target=P('data', None) of device_put at " in text
+
+
+def test_arguments_are_traced_with_their_types_as_jit_does(explicit_mesh):
+    def f(x):  # explicit shard_map wants its operand typed as its in_specs say
+        doubled = jax.shard_map(
+            lambda b: b * 2, mesh=explicit_mesh, in_specs=P("data"), out_specs=P("data")
+        )
+        return jnp.sum(doubled(x) ** 2)
+
+    _, x = _data()
+    x = jax.device_put(x, NamedSharding(explicit_mesh, P("data")))
+    expected, got, plan = _run_both(f, (x,), explicit_mesh)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert plan.traced.explicit
