@@ -79,6 +79,7 @@ def load_factory(target: str):
         sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
         spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses in the file look their module up here
         spec.loader.exec_module(module)
     else:
         module = importlib.import_module(where)
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxshard.errors import ShardingError
     from jaxshard.graph import build_graph
     from jaxshard.plan import make_plan
-    from jaxshard.trace import trace
+    from jaxshard.trace import trace_on_mesh
 
     fn, fn_args, hints = load_factory(args.target)
     for item in args.hint:
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         devices = jax.devices("cpu")
     mesh = jax.make_mesh(sizes, names, devices=devices[: math.prod(sizes)])
     if args.command == "missing":
-        graph = build_graph(trace(fn, fn_args, {}), dict(zip(names, sizes)))
+        graph = build_graph(trace_on_mesh(fn, fn_args, {}, mesh), dict(zip(names, sizes)))
         for prim, line in sorted(graph.unknown.items()):
             print(f"{prim}\t{line}")
         print(f"{len(graph.unknown)} primitive(s) without a rule", file=sys.stderr)

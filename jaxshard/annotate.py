@@ -77,6 +77,8 @@ class PinKind(enum.Enum):
     HINTS = "an entry of the hints dict"  # a regex, or Flax metadata as an exact path
     IN_FUNCTION = "a jaxshard.hint call"
     PROGRAM = "a layout the program fixes"  # shard_map specs, with_sharding_constraint
+    # explicit-sharding style: out_sharding=, reshard, an argument's explicit type
+    EXPLICIT = "an explicit-sharding annotation"
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,62 @@ class Pin:
             'h2'
         """
         return next((p for p in self.parts if p.dims[dim] is not None), self)
+
+
+def open_unnamed(spec: PartitionSpec, rank: int) -> PartitionSpec:
+    """An explicit-sharding spec as a partial spec: the axes it names pin their dims and
+    the dims it types unsharded are left to the planner (an explicit type cannot say
+    "unconstrained", so ``None`` there means "not sharded here", not "must replicate").
+
+    Example:
+        >>> open_unnamed(PartitionSpec("data", None), 3)
+        P('data', UNCONSTRAINED, UNCONSTRAINED)
+    """
+    entries = list(spec) + [None] * (rank - len(spec))
+    return PartitionSpec(*(PartitionSpec.UNCONSTRAINED if e is None else e for e in entries))
+
+
+# parameters by which explicit-sharding code fixes an equation's result type
+# (dot_general, reshape, broadcast_in_dim, iota, reductions, convert_element_type, ...)
+_RESULT_SHARDING_PARAMS = ("out_sharding", "sharding")
+
+
+def written_shardings(eqn: Any) -> list[tuple[int, PartitionSpec, str]]:
+    """``(result index, spec, parameter)`` for each result whose sharding an equation's parameters
+    fix and that names mesh axes: ``out_sharding=``/``sharding=`` (the one result) and
+    the per-operand shardings of a `jax.device_put` inside the function (JAX fills
+    these in only from explicit types, so axis names there come from annotations).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((1, 1), ("data", "model"))
+        >>> f = lambda x: jnp.einsum("ij,jk->ik", x, x, out_sharding=P("data"))
+        >>> with jax.set_mesh(mesh):
+        ...     eqn = jax.make_jaxpr(f)(jnp.ones((2, 2))).eqns[0]
+        >>> written_shardings(eqn)
+        [(0, P('data',), 'out_sharding')]
+    """
+    params = eqn.params
+    found = []
+    for key in _RESULT_SHARDING_PARAMS:
+        spec = getattr(params.get(key), "spec", None)
+        if _names_axes(spec):
+            found.append((0, spec, key))
+            break
+    devices = params.get("devices")
+    if isinstance(devices, tuple):
+        for i, sharding in enumerate(devices[: len(eqn.outvars)]):
+            spec = getattr(sharding, "spec", None)
+            if _names_axes(spec):
+                found.append((i, spec, "devices"))
+    return found
+
+
+def _names_axes(spec: Any) -> bool:
+    return isinstance(spec, PartitionSpec) and any(
+        e is not None and e is not PartitionSpec.UNCONSTRAINED for e in spec
+    )
 
 
 def spec_text(spec: Any) -> str:
@@ -249,7 +307,12 @@ def merge_pins(a: Pin, b: Pin, where: str) -> Pin:
     return Pin(tuple(dims), f"{a.source} + {b.source}", a.kind, parts)
 
 
-_FIX_NAME = {PinKind.HINTS: "the hints entry", PinKind.IN_FUNCTION: "the jaxshard.hint"}
+_FIX_NAME = {
+    PinKind.HINTS: "the hints entry",
+    PinKind.IN_FUNCTION: "the jaxshard.hint",
+    PinKind.PROGRAM: "the sharding constraint",
+    PinKind.EXPLICIT: "the explicit annotation",
+}
 
 
 def _disagreement_fix(a: Pin, b: Pin, dim: int) -> str:
@@ -261,6 +324,18 @@ def _disagreement_fix(a: Pin, b: Pin, dim: int) -> str:
         return "Keep one jaxshard.hint per value, or make the specs agree."
     if kinds == {PinKind.PROGRAM}:
         return "One value cannot have two fixed layouts; make the specs agree."
+    if PinKind.EXPLICIT in kinds:
+        fixed, other = (a, b) if a.kind is PinKind.EXPLICIT else (b, a)
+        where = (
+            "pass the argument with a sharding that agrees (or unsharded on that dim)"
+            if fixed.source.startswith("the explicit sharding of argument")
+            else "change the annotation at that line"
+        )
+        return (
+            f"{fixed.source} is an explicit-sharding annotation in the program. Change "
+            f"{_FIX_NAME[other.kind]} ({other.source}) to agree or leave dim {dim} to the "
+            f"planner (P.UNCONSTRAINED), or {where}."
+        )
     if PinKind.PROGRAM in kinds:
         fixed, other = (a, b) if a.kind is PinKind.PROGRAM else (b, a)
         return (

@@ -26,7 +26,7 @@ from jaxshard.graph import tied_results
 from jaxshard.hlo import compiled_collectives
 from jaxshard.lattice import to_spec
 from jaxshard.plan import auto_view, mesh_axis_sizes
-from jaxshard.trace import trace
+from jaxshard.trace import trace_on_mesh
 
 
 class CompiledCost(NamedTuple):
@@ -72,9 +72,8 @@ def shardy_alone(
     """
     if results not in ("keep", "free"):
         raise ValueError(f"results must be 'keep' or 'free', got {results!r}")
+    traced = trace_on_mesh(fn, args, {}, mesh)
     mesh = auto_view(mesh)
-    with jax.set_mesh(mesh):
-        traced = trace(fn, args, {})
     leaves, tree = jax.tree.flatten(args)
     shapes = [tuple(a.shape) for a in traced.in_avals]
     pins = match_hints(hints, traced.in_names, shapes, mesh_axis_sizes(mesh))

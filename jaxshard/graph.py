@@ -17,7 +17,16 @@ from typing import Any, NamedTuple
 import jax
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
-from jaxshard.annotate import Pin, PinKind, hint_p, merge_pins, pin_from_spec, spec_text
+from jaxshard.annotate import (
+    Pin,
+    PinKind,
+    hint_p,
+    merge_pins,
+    open_unnamed,
+    pin_from_spec,
+    spec_text,
+    written_shardings,
+)
 from jaxshard.errors import JaxshardBug, JaxshardWarning, warn
 from jaxshard.lattice import merge_dim
 from jaxshard.rule import (
@@ -25,11 +34,14 @@ from jaxshard.rule import (
     annotation_fn_for,
     boundary_fn_for,
     identity_rule,
+    primitive,
     region_fn_for,
     rule_fn_for,
     shapes_of,
 )
 from jaxshard.trace import Traced
+
+_RESHARD = primitive("reshard")  # explicit-sharding style: its target is the user's annotation
 
 Path = tuple[int, ...]  # equation indices from the top jaxpr down to a nested jaxpr
 
@@ -126,6 +138,10 @@ def build_graph(traced: Traced, axis_sizes: Mapping[str, int]) -> Graph:
     g.in_vids = [g.new_value(v.aval) for v in closed.jaxpr.invars]
     for vid, name in zip(g.in_vids, traced.in_names):
         g.names[vid] = name
+    for vid, name, spec in zip(g.in_vids, traced.in_names, traced.in_types):
+        if spec is not None:  # an argument's explicit type pins the axes it names
+            source = f"the explicit sharding of argument {name}: {spec_text(spec)}"
+            _pin_explicit(g, vid, spec, name, source, axis_sizes)
     g.out_vids = _build(g, closed.jaxpr, g.in_vids, (), axis_sizes)
     g.eqn_rules.clear()  # keyed by object ids: valid only while building
     for vid, name in zip(g.out_vids, traced.out_names):
@@ -224,6 +240,7 @@ def _build(
                 results,
                 source_line(eqn, enclosing),
                 axis_sizes,
+                PinKind.EXPLICIT if primitive is _RESHARD else PinKind.PROGRAM,
             )
             continue
         if boundary_fn is not None:
@@ -239,7 +256,21 @@ def _build(
         if rule is None:
             rule = g.eqn_rules[id(eqn)] = _rule(g, rule_fn, eqn, enclosing)
         g.apps.append(App(rule, tuple(operands), tuple(results), "eqn", eqn, enclosing))
+        for i, written, param in written_shardings(eqn) if eqn.params else ():
+            where = f"{primitive.name} at {source_line(eqn, enclosing)}"
+            name = "out_sharding" if param != "devices" else "target"
+            source = f"{name}={spec_text(written)} of {where}"
+            _pin_explicit(g, results[i], written, where, source, axis_sizes)
     return [read(v) for v in jaxpr.outvars]
+
+
+def _pin_explicit(g: Graph, vid: int, spec, where: str, source: str, axis_sizes) -> None:
+    """Pin the axes an explicit sharding names on a value (its unsharded dims stay open),
+    as a layout the program fixes."""
+    partial = open_unnamed(spec, len(g.shapes[vid]))
+    pin = pin_from_spec(partial, g.shapes[vid], axis_sizes, where, source)
+    pin = Pin(pin.dims, source, PinKind.EXPLICIT)
+    g.pins[vid] = merge_pins(g.pins[vid], pin, g.value_name(vid)) if vid in g.pins else pin
 
 
 def _rule(g: Graph, rule_fn, eqn: JaxprEqn, enclosing: Where) -> Rule:
@@ -271,7 +302,9 @@ def _rule(g: Graph, rule_fn, eqn: JaxprEqn, enclosing: Where) -> Rule:
     return rule
 
 
-def _pin_boundary(g: Graph, eqn, specs, operands, results, line: str, axis_sizes) -> None:
+def _pin_boundary(
+    g: Graph, eqn, specs, operands, results, line: str, axis_sizes, pin_kind=PinKind.PROGRAM
+) -> None:
     source = f"{eqn.primitive.name} at {line}"
     for kind, vids, spec_list in (("operand", operands, specs[0]), ("result", results, specs[1])):
         for i, (vid, spec) in enumerate(zip(vids, spec_list)):
@@ -280,7 +313,7 @@ def _pin_boundary(g: Graph, eqn, specs, operands, results, line: str, axis_sizes
             pin = pin_from_spec(
                 spec, g.shapes[vid], axis_sizes, f"{source}, {kind} {i}", "its spec"
             )
-            pin = Pin(pin.dims, source, PinKind.PROGRAM)
+            pin = Pin(pin.dims, source, pin_kind)
             if kind == "operand" and _program_layouts_differ(g.pins.get(vid), pin):
                 # a valid program: XLA reshards between the layouts two equations fix for
                 # one value, so this equation reads a copy, linked by a reshard
@@ -292,12 +325,15 @@ def _pin_boundary(g: Graph, eqn, specs, operands, results, line: str, axis_sizes
             )
 
 
+_FIXED = (PinKind.PROGRAM, PinKind.EXPLICIT)  # layouts the program itself fixes
+
+
 def _program_layouts_differ(old: Pin | None, new: Pin) -> bool:
     """True when ``old`` comes from layouts the program fixes only (not from the user)
     and disagrees with ``new`` on some dim."""
     return (
         old is not None
-        and all(p.kind is PinKind.PROGRAM for p in old.parts or (old,))
+        and all(p.kind in _FIXED for p in old.parts or (old,))
         and any(merge_dim(a, b)[1] for a, b in zip(old.dims, new.dims))
     )
 

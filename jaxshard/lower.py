@@ -8,6 +8,14 @@ bound as one `jit` equation inside `jax.jit` with in/out shardings for every arg
 and result leaf, which costs a single bind instead of re-tracing thousands of
 equations. Shardings live on an Auto-typed view of the plan's mesh, so meshes with
 Explicit axes (the default of `jax.make_mesh`) work too.
+
+A program traced on Explicit axes (code in explicit-sharding style) carries shardings in
+its types and in parameters (``out_sharding=`` of dot_general, reshape, ...; `reshard`
+equations). Its types are erased first (`Eraser`): every aval is retyped on the Auto
+view, explicit sharding parameters are dropped and `reshard` becomes a copy. Nothing is
+lost: those annotations are pins of the plan, so the rewrite constrains them like hints
+(with the layout the plan chose for the dims they leave unsharded), and the results
+are handed back on the caller's mesh.
 """
 
 from __future__ import annotations
@@ -20,11 +28,161 @@ from jax._src.named_sharding import UNSPECIFIED  # jit_p's 'no sharding given'
 from jax._src.pjit import jit_p
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.extend.core import primitives as prims
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxshard.lattice import to_spec
 from jaxshard.plan import Plan, _gc_paused, auto_view
-from jaxshard.rule import FactorKind, region_fn_for
+from jaxshard.rule import FactorKind, primitive, region_fn_for
+
+
+class Eraser:
+    """Retypes a jaxpr traced on Explicit axes for the Auto view of its mesh: avals lose
+    their explicit shardings, meshes in parameters turn their Explicit axes Auto,
+    explicit sharding parameters are dropped, and `reshard` becomes a copy. The
+    structure is kept equation for equation (nested jaxprs too, each shared body erased
+    once), so the plan's per-call-site variables map through ``vars``.
+
+    Example:
+        >>> erased = Eraser(auto_view(mesh)).closed(traced.jaxpr)  # doctest: +SKIP
+    """
+
+    def __init__(self, auto_mesh: Mesh):
+        self.auto = auto_mesh.abstract_mesh
+        self.vars: dict[Any, Any] = {}  # original Var -> erased Var
+        self._memo: dict[int, Any] = {}  # id(original jaxpr) -> erased jaxpr
+        self._keep: list = []  # the originals, so their ids stay unique while erasing
+        self._contexts: dict[int, Any] = {}  # id(equation context) -> erased context
+        self._reshard = primitive("reshard")
+
+    def closed(self, closed: ClosedJaxpr) -> ClosedJaxpr:
+        """The erased ClosedJaxpr (its consts unchanged)."""
+        found = self._memo.get(id(closed))
+        if found is None:
+            self._keep.append(closed)
+            found = self._memo[id(closed)] = ClosedJaxpr(self.jaxpr(closed.jaxpr), closed.consts)
+        return found
+
+    def jaxpr(self, jaxpr: Jaxpr) -> Jaxpr:
+        """The erased Jaxpr, its variables recorded in ``vars``."""
+        found = self._memo.get(id(jaxpr))
+        if found is not None:
+            return found
+        self._keep.append(jaxpr)
+        constvars = [self._var(v) for v in jaxpr.constvars]
+        invars = [self._var(v) for v in jaxpr.invars]
+        eqns = [self._eqn(e) for e in jaxpr.eqns]
+        outvars = [self._atom(v) for v in jaxpr.outvars]
+        found = self._memo[id(jaxpr)] = jaxpr.replace(
+            constvars=constvars, invars=invars, outvars=outvars, eqns=eqns
+        )
+        return found
+
+    def aval(self, aval: Any) -> Any:
+        """``aval`` typed on the Auto view (unchanged when it carries no explicit axis)."""
+        sharding = getattr(aval, "sharding", None)
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is None or AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+            return aval
+        explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+        spec = [_without(e, explicit) for e in sharding.spec]
+        mesh = self.auto if mesh.axis_types.count(AxisType.Manual) == 0 else _auto_axes(mesh)
+        return aval.update(sharding=NamedSharding(mesh, PartitionSpec(*spec)))
+
+    def _var(self, var: Any) -> Any:
+        new = self.vars.get(var)
+        if new is None:
+            aval = self.aval(var.aval)
+            if isinstance(var, jax_core.DropVar):
+                return jax_core.DropVar(aval)
+            new = self.vars[var] = var if aval is var.aval else jax_core.Var(aval)
+        return new
+
+    def _atom(self, atom: Any) -> Any:
+        if isinstance(atom, Literal):
+            aval = self.aval(atom.aval)
+            return atom if aval is atom.aval else Literal(atom.val, aval)
+        return self._var(atom)
+
+    def _eqn(self, eqn: Any) -> Any:
+        invars = [self._atom(v) for v in eqn.invars]
+        outvars = [self._var(v) for v in eqn.outvars]
+        if eqn.primitive is self._reshard and _explicit(eqn.params.get("dst_sharding")):
+            # the plan pins the result with the axes the reshard named
+            return eqn.replace(
+                primitive=prims.copy_p,
+                invars=invars,
+                outvars=outvars,
+                params={},
+                ctx=self._ctx(eqn.ctx),
+            )
+        params = {k: self._param(v) for k, v in eqn.params.items()}
+        return eqn.replace(invars=invars, outvars=outvars, params=params, ctx=self._ctx(eqn.ctx))
+
+    def _ctx(self, ctx: Any) -> Any:
+        """The equation's context with its current mesh on the Auto view: lowering rules
+        that trace helper functions (integer_pow, ...) run under this mesh."""
+        mesh = getattr(ctx, "cur_abstract_mesh", None)
+        if mesh is None or AxisType.Explicit not in getattr(mesh, "axis_types", ()):
+            return ctx
+        found = self._contexts.get(id(ctx))
+        if found is None:
+            meta = None if ctx.xla_metadata is None else tuple(sorted(ctx.xla_metadata.items()))
+            found = self._contexts[id(ctx)] = type(ctx)._create(
+                ctx.compute_type,
+                ctx.threefry_partitionable,
+                _auto_axes(mesh),
+                ctx.remove_size_one_mesh_axis,
+                meta,
+            )
+            self._keep.append(ctx)
+        return found
+
+    def _param(self, value: Any) -> Any:
+        if isinstance(value, NamedSharding):
+            return None if _explicit(value) else value
+        if isinstance(value, Mesh):
+            return _auto_axes(value)
+        if isinstance(value, type(self.auto)):
+            return _auto_axes(value)
+        if isinstance(value, ClosedJaxpr):
+            return self.closed(value)
+        if isinstance(value, Jaxpr):
+            return self.jaxpr(value)
+        if isinstance(value, tuple) and any(
+            isinstance(v, (ClosedJaxpr, Jaxpr, NamedSharding)) for v in value
+        ):
+            return tuple(
+                UNSPECIFIED if isinstance(v, NamedSharding) and _explicit(v) else self._param(v)
+                for v in value
+            )
+        return value
+
+
+def _explicit(sharding: Any) -> bool:
+    mesh = getattr(sharding, "mesh", None)
+    return mesh is not None and AxisType.Explicit in getattr(mesh, "axis_types", ())
+
+
+def _auto_axes(mesh: Any) -> Any:
+    """``mesh`` (concrete or abstract) with its Explicit axes Auto, Manual ones kept."""
+    types = getattr(mesh, "axis_types", ())
+    if AxisType.Explicit not in types:
+        return mesh
+    new = tuple(AxisType.Auto if t == AxisType.Explicit else t for t in types)
+    if isinstance(mesh, Mesh):
+        return Mesh(mesh.devices, mesh.axis_names, axis_types=new)
+    return mesh.update_axis_types(
+        {n: AxisType.Auto for n, t in zip(mesh.axis_names, types) if t == AxisType.Explicit}
+    )
+
+
+def _without(entry: Any, axes: set) -> Any:
+    """A spec entry without the given axes (``None`` when none is left)."""
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return entry
+    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    kept = tuple(n for n in names if n not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def pinned_values(plan: Plan) -> set[int]:
@@ -96,15 +254,23 @@ class Lowered:
 
     def _rewrite_program(self, plan: Plan) -> ClosedJaxpr:
         pinned = pinned_values(plan)
+        closed = plan.traced.jaxpr
+        rename: Any = None
+        if getattr(plan.traced, "explicit", False):
+            eraser = Eraser(self.mesh)
+            closed, rename = eraser.closed(closed), eraser.vars
         # per path (a call site of a nested jaxpr): {var: layout} and a hashable key
         self._levels = {}
         for path, env in plan.graph.var_vids.items():
-            items = [(var, plan.dims[vid]) for var, vid in env.items() if vid in pinned]
+            items = [
+                (var if rename is None else rename.get(var, var), plan.dims[vid])
+                for var, vid in env.items()
+                if vid in pinned
+            ]
             if items:
                 self._levels[path] = (dict(items), tuple(items))
         self._regions: dict[int, list] = {}  # id(jaxpr) -> its higher-order equations
         self._bodies: dict[tuple, Any] = {}  # rewritten nested jaxprs, shared by call sites
-        closed = plan.traced.jaxpr
         return ClosedJaxpr(self._rewrite(closed.jaxpr, ()), closed.consts)
 
     def _constrain(self, var, dims: tuple, eqns: list, like) -> Any:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxshard.annotate import Pin, match_hints, merge_pins
 from jaxshard.cost import (
@@ -34,7 +34,7 @@ from jaxshard.errors import ShardingError
 from jaxshard.graph import Graph, build_graph
 from jaxshard.lattice import DimSharding, to_spec
 from jaxshard.propagate import STORAGE_RANK, Conflict, Origin, Propagator
-from jaxshard.trace import Traced, trace
+from jaxshard.trace import Traced, auto_view, trace_on_mesh  # noqa: F401 (auto_view re-exported)
 
 
 @dataclass(frozen=True)
@@ -71,19 +71,6 @@ def mesh_axis_sizes(mesh: Mesh) -> dict[str, int]:
         {'data': 1}
     """
     return dict(zip(mesh.axis_names, mesh.devices.shape))
-
-
-def auto_view(mesh: Mesh) -> Mesh:
-    """The same devices and axis names with every axis Auto (jaxshard decides shardings).
-
-    Example:
-        >>> import jax
-        >>> auto_view(jax.make_mesh((1,), ("data",))).axis_types
-        (Auto,)
-    """
-    if all(t == AxisType.Auto for t in mesh.axis_types):
-        return mesh
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 class Plan:
@@ -448,8 +435,7 @@ def make_plan(
     bytes moved.
     """
     sizes = mesh_axis_sizes(mesh)
-    with jax.set_mesh(auto_view(mesh)):  # trace as the lowered program will replay it
-        traced = trace(fn, args, kwargs)
+    traced = trace_on_mesh(fn, args, kwargs, mesh)
     with _gc_paused():
         graph = build_graph(traced, sizes)
         if saved is not None:

@@ -61,12 +61,11 @@ from jaxshard.plan import (
     _dead_apps,
     _duplicate,
     _gc_paused,
-    auto_view,
     mesh_axis_sizes,
     plan_from_graph,
 )
 from jaxshard.rule import FactorKind
-from jaxshard.trace import trace
+from jaxshard.trace import trace_on_mesh
 
 # Chosen hints carry this regex comment into the plan, so an origin reads
 # hint 'params/layers/0/attn/wq(?#jaxshard search)': P(None, 'model')
@@ -195,8 +194,7 @@ def search_hints(
     say = progress or _LateProgress(t0)
     hints = dict(hints or {})
     sizes = mesh_axis_sizes(mesh)
-    with jax.set_mesh(auto_view(mesh)):  # trace as make_plan and lowering do
-        traced = trace(fn, args, kwargs)
+    traced = trace_on_mesh(fn, args, kwargs, mesh)  # as make_plan does
     with _gc_paused():
         graph = build_graph(traced, sizes)
         say(f"traced {len(graph.apps)} equations, {len(graph.shapes)} values "

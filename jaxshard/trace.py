@@ -2,13 +2,21 @@
 
 Arguments may be arrays, NumPy arrays, Python scalars or `jax.ShapeDtypeStruct`s; they
 are traced as plain shapes and dtypes (any sharding on them is the planner's business,
-not the tracer's). Leaves are named by key path, starting with the parameter's name from
-the function's signature: ``params/l0/w1``, ``opt_state/0/mu/l0/w1``, ``batch/tok``;
-results start with ``out``.
+not the tracer's), but the explicit sharding in an argument's type (an array on a mesh
+with Explicit axes) is kept aside as an annotation. Leaves are named by key path,
+starting with the parameter's name from the function's signature: ``params/l0/w1``,
+``opt_state/0/mu/l0/w1``, ``batch/tok``; results start with ``out``.
+
+`trace_on_mesh` traces on an Auto-typed view of the mesh (code written for
+`with_sharding_constraint`), and when that fails on a mesh with Explicit axes, traces
+again on the mesh itself, as `jax.jit` would: code in explicit-sharding style
+(``out_sharding=`` with axis names, `jax.sharding.reshard`) then traces, and its
+annotations are left in the jaxpr for the graph to read as pins.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, DebugInfo
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from jaxshard.errors import ShardingError
@@ -32,6 +41,10 @@ class Traced:
     in_tree: Any  # treedef of (args, kwargs)
     out_tree: Any
     in_avals: tuple[jax.ShapeDtypeStruct, ...]
+    # per argument leaf, the explicit sharding its type carries (None: none), and
+    # whether the jaxpr was traced on the mesh's Explicit axes (its avals carry shardings)
+    in_types: tuple[PartitionSpec | None, ...] = ()
+    explicit: bool = False
 
 
 def key_name(key: Any) -> str:
@@ -116,8 +129,11 @@ def arg_names(fn: Callable, args: tuple, kwargs: dict) -> tuple[list[str], Any]:
     return names, tree
 
 
-def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
-    """Trace ``fn(*args, **kwargs)`` to a jaxpr with named leaves.
+def trace(
+    fn: Callable, args: tuple, kwargs: dict, shardings: Sequence[Any] | None = None
+) -> Traced:
+    """Trace ``fn(*args, **kwargs)`` to a jaxpr with named leaves; ``shardings`` (one per
+    leaf, None for none) type the leaves when tracing on Explicit axes.
 
     Example:
         >>> import jax.numpy as jnp
@@ -129,6 +145,8 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
     names, in_tree = arg_names(fn, args, kwargs)
     leaves = jax.tree_util.tree_leaves((args, kwargs))
     avals = tuple(abstractify(leaf, name) for leaf, name in zip(leaves, names))
+    if shardings is not None:
+        avals = tuple(a if s is None else a.update(sharding=s) for a, s in zip(avals, shardings))
 
     def flat_fn(*flat):
         a, k = jax.tree_util.tree_unflatten(in_tree, flat)
@@ -139,6 +157,92 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
     out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     out_names = tuple(path_name("out", path) for path, _ in out_leaves)
     return Traced(jaxpr, tuple(names), out_names, in_tree, out_tree, avals)
+
+
+def auto_view(mesh: Mesh) -> Mesh:
+    """The same devices and axis names with every axis Auto (jaxshard decides shardings).
+
+    Example:
+        >>> import jax
+        >>> auto_view(jax.make_mesh((1,), ("data",))).axis_types
+        (Auto,)
+    """
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def explicit_type(leaf: Any, mesh: Mesh) -> PartitionSpec | None:
+    """The explicit sharding an argument's type carries on ``mesh``: its spec with only
+    the axes that are Explicit in the array's own mesh, or None when it names none (an
+    array on an Auto mesh, on one device, or a NumPy array carries no type).
+
+    Example:
+        >>> import jax, numpy as np
+        >>> from jax.sharding import PartitionSpec as P, NamedSharding
+        >>> mesh = jax.make_mesh((1, 1), ("data", "model"))
+        >>> explicit_type(jax.device_put(np.ones((2, 2)), NamedSharding(mesh, P("data"))), mesh)
+        P('data', None)
+    """
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.axis_names != mesh.axis_names:
+        return None
+    kinds = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
+    entries = []
+    for entry in sharding.spec:
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = tuple(a for a in axes if kinds.get(a) == AxisType.Explicit)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    if all(e is None for e in entries):
+        return None
+    rank = len(getattr(leaf, "shape", ()))
+    return PartitionSpec(*entries, *[None] * (rank - len(entries)))
+
+
+def trace_on_mesh(fn: Callable, args: tuple, kwargs: dict, mesh: Mesh) -> Traced:
+    """`trace` under ``mesh``: first on its Auto view; on a mesh with Explicit axes, if
+    that fails, again on the mesh itself (code in explicit-sharding style). Either way
+    the explicit shardings of the arguments' types are recorded in ``in_types``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((1, 1), ("data", "model"))
+        >>> f = lambda x: jnp.einsum("ij,jk->ik", x, x, out_sharding=P("data"))
+        >>> trace_on_mesh(f, (jnp.ones((2, 2)),), {}, mesh).explicit
+        True
+    """
+    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    types = tuple(explicit_type(leaf, mesh) for leaf in leaves)
+    auto = auto_view(mesh)
+    attempts: list[tuple[Mesh, Any]] = [(auto, None)]
+    if auto is not mesh:
+        # as jax.jit does: the arguments typed with their explicit shardings; then, since
+        # jaxshard replans those anyway, typed unsharded (code that cannot take the types
+        # a previous plan gave its arguments still traces)
+        typed = [None if t is None else NamedSharding(mesh, t) for t in types]
+        attempts.append((mesh, typed))
+        if any(t is not None for t in types):
+            attempts.append((mesh, None))
+    errors: list[Exception] = []
+    for on, shardings in attempts:
+        try:
+            with jax.set_mesh(on):
+                traced = trace(fn, args, kwargs, shardings)
+        except Exception as e:  # noqa: BLE001 (the next attempt decides; all failing re-raises)
+            errors.append(e)
+            continue
+        return dataclasses.replace(traced, in_types=types, explicit=on is not auto)
+    if len(errors) == 1:
+        raise errors[0]
+    auto_error, explicit_error = errors[0], errors[1]
+    first = str(auto_error).splitlines()[0] if str(auto_error) else repr(auto_error)
+    explicit_error.add_note(
+        "jaxshard traced the function on the mesh's Explicit axes (as jax.jit does) after "
+        "tracing it on an Auto view of the mesh (for code that uses with_sharding_constraint) "
+        f"failed with: {type(auto_error).__name__}: {first}"
+    )
+    raise explicit_error from None
 
 
 def _name_for_jax(flat_fn: Callable, fn: Callable, names: Sequence[str]) -> None:

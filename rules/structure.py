@@ -15,6 +15,7 @@ from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 from jax.sharding import PartitionSpec
 
+from jaxshard.annotate import open_unnamed
 from jaxshard.rule import (
     Link,
     Region,
@@ -99,14 +100,26 @@ def sharding_constraint_annotation(eqn: JaxprEqn) -> tuple[list, list]:
 
 @register_annotation(primitive("reshard"))
 def reshard_annotation(eqn: JaxprEqn) -> tuple[list, list]:
-    """`reshard` (which JAX also inserts on its own when tracing under a mesh) passes
-    shardings through like an identity and pins nothing: the plan decides the layout.
+    """`jax.sharding.reshard` pins the mesh axes its target names on its result; the dims
+    it leaves unsharded are left to the planner. JAX also inserts reshards on its own
+    (to replicated, entering `auto_axes` regions, on literals): those name no axis and pin
+    nothing.
 
     Example:
-        >>> reshard_annotation(None)
-        ([None], [None])
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> with jax.set_mesh(mesh):
+        ...     eqn = jax.make_jaxpr(lambda x: jax.sharding.reshard(x, P("data")))(
+        ...         jnp.ones((8, 4))).eqns[0]
+        >>> reshard_annotation(eqn)
+        ([None], [P('data', UNCONSTRAINED)])
     """
-    return [None], [None]
+    target = eqn.params.get("dst_sharding")
+    spec = getattr(target, "spec", target)
+    if not isinstance(spec, PartitionSpec) or all(e is None for e in spec):
+        return [None] * len(eqn.invars), [None] * len(eqn.outvars)
+    return [None], [open_unnamed(spec, len(eqn.outvars[0].aval.shape))]
 
 
 @register_boundary(primitive("debug_print"), primitive("debug_callback"))
