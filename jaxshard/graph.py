@@ -161,8 +161,9 @@ def _cost(g: Graph, operands: list[int], results: list[int], shown: int = 3) -> 
         >>> a, b = g.new_value(jax.ShapeDtypeStruct((4, 8), "float32")), g.new_value(
         ...     jax.ShapeDtypeStruct((4, 8), "float32"))
         >>> g.names[a] = "params/w"
-        >>> _cost(g, [a], [b])
-        ': its results (a float32[4, 8] value; 128 bytes) get no sharding from its operands (params/w) and stay replicated unless a later use shards them'
+        >>> print(_cost(g, [a], [b]))
+        : its results (a float32[4, 8] value; 128 bytes) get no sharding from its operands
+        (params/w) and stay replicated unless a later use shards them
     """
 
     def names(vids: list[int]) -> str:
@@ -173,9 +174,7 @@ def _cost(g: Graph, operands: list[int], results: list[int], shown: int = 3) -> 
     arrays = [v for v in dict.fromkeys(results) if g.shapes[v]]
     if not arrays:
         return ""
-    size = sum(
-        math.prod(g.shapes[v]) * getattr(g.dtypes[v], "itemsize", 4) for v in arrays
-    )
+    size = sum(math.prod(g.shapes[v]) * getattr(g.dtypes[v], "itemsize", 4) for v in arrays)
     text = f": its results ({names(results)}; {size} bytes) get no sharding"
     if any(g.shapes[v] for v in operands):
         text += f" from its operands ({names(operands)})"

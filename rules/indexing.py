@@ -119,7 +119,9 @@ def scatter_rule(eqn: JaxprEqn, combinable: bool) -> Rule:
 
 
 # a subtraction of partial sums is the subtraction of their total: combinable like add
-register_rule(p.scatter_add_p, slicing.scatter_sub_p)(lambda eqn: scatter_rule(eqn, combinable=True))
+register_rule(p.scatter_add_p, slicing.scatter_sub_p)(
+    lambda eqn: scatter_rule(eqn, combinable=True)
+)
 register_rule(p.scatter_p, p.scatter_mul_p, p.scatter_min_p, p.scatter_max_p)(
     lambda eqn: scatter_rule(eqn, combinable=False)
 )

@@ -24,9 +24,9 @@ from jax._src.lax import linalg as _linalg  # geqrf has no public API
 from jax._src.lax.windowed_reductions import _select_and_scatter  # no public API
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.layout import Layout, with_layout_constraint
+from jaxshard.rules.attention import bind_forward
 
 from jaxshard.rule import primitive
-from jaxshard.rules.attention import bind_forward
 
 _rng = np.random.default_rng(0)
 
@@ -481,7 +481,11 @@ SAMPLES += [
     ("unstack-minor", lambda x: jnp.unstack(x, axis=1), (_f32(4, 2),)),
     ("tile", lambda x: jnp.tile(x, (2, 1)), (X,)),
     ("tile-minor", lambda x: jnp.tile(x, (1, 2)), (X,)),
-    ("mulhi", lax.mul_hi if hasattr(lax, "mul_hi") else primitive("mulhi").bind, (INT, NONZERO_INT)),
+    (
+        "mulhi",
+        lax.mul_hi if hasattr(lax, "mul_hi") else primitive("mulhi").bind,
+        (INT, NONZERO_INT),
+    ),
     ("fft", jnp.fft.fft, (X,)),
     ("rfft", jnp.fft.rfft, (X,)),
     ("irfft", lambda x: jnp.fft.irfft(x, n=8), (jnp.fft.rfft(X),)),

@@ -45,7 +45,9 @@ def _spec(rule, dims, f) -> P:
 
 
 def _reference(eqn):
-    causal = eqn.params["mask_type"] is not jax._src.cudnn.fused_attention_stablehlo.MaskType.NO_MASK
+    causal = (
+        eqn.params["mask_type"] is not jax._src.cudnn.fused_attention_stablehlo.MaskType.NO_MASK
+    )
 
     def forward(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")

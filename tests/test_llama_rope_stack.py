@@ -8,8 +8,6 @@ train step too when `unstack`, stack's transpose, has no rule either) ``wk``, ``
 axis.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
