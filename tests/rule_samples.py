@@ -488,7 +488,11 @@ SAMPLES += [
     ),
     ("fft", jnp.fft.fft, (X,)),
     ("rfft", jnp.fft.rfft, (X,)),
-    ("irfft", lambda x: jnp.fft.irfft(x, n=8), (jnp.fft.rfft(X),)),
+    (
+        "irfft",
+        lambda x: jnp.fft.irfft(x, n=6),
+        ((_f32(4, 4) + 1j * _f32(4, 4)).astype(np.complex64),),
+    ),
     ("fft2", jnp.fft.fft2, (_f32(2, 4, 8),)),
     ("scatter-sub", lambda t, i, u: t.at[i].subtract(u), (TABLE, _index(16, 4), _f32(4, 8))),
     ("cholesky", jnp.linalg.cholesky, (SPD,)),
