@@ -2,7 +2,7 @@
 
 `jit` (pjit), `closed_call`, `remat`/`checkpoint`, `custom_jvp_call` and
 `custom_vjp_call`, `composite` (a named decomposition), `linear_call` (its callee) and
-`remat_opt` (a custom-vjp forward under remat) call one inner jaxpr on the equation's
+`remat_opt` (a custom-vjp forward under remat) and `custom_vmap_call` call one inner jaxpr on the equation's
 operands: each operand is the
 inner input of the same position and each result the inner output. The links are
 identities, so the engine inlines them; lowering rewrites each body in place, so nested
@@ -13,7 +13,7 @@ planned.
 
 from __future__ import annotations
 
-from jax._src import custom_derivatives  # linear_call_p is not public
+from jax._src import custom_batching, custom_derivatives  # not public: linear_call_p, ...
 from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 from jax.sharding import PartitionSpec
@@ -92,6 +92,23 @@ def remat_opt_region(eqn: JaxprEqn) -> list[Region]:
         'fwd_jaxpr'
     """
     return _positional_region(eqn, "fwd_jaxpr")
+
+
+@register_region(custom_batching.custom_vmap_p)
+def custom_vmap_region(eqn: JaxprEqn) -> list[Region]:
+    """`jax.custom_batching.custom_vmap` outside a vmap runs ``call`` (constants, then
+    arguments) positionally; its batching rule only matters under `vmap`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> f = jax.custom_batching.custom_vmap(jnp.sin)
+        >>> f.def_vmap(lambda n, batched, x: (jnp.sin(x), batched[0]))  # doctest: +ELLIPSIS
+        <function ...>
+        >>> eqn = jax.make_jaxpr(f)(jnp.ones(3)).eqns[0]
+        >>> custom_vmap_region(eqn)[0].param
+        'call'
+    """
+    return _positional_region(eqn, "call")
 
 
 def _positional_region(eqn: JaxprEqn, param: str) -> list[Region]:

@@ -22,6 +22,10 @@ from jax import lax
 from jax._src.cudnn import fused_attention_stablehlo as _cudnn  # private primitives
 from jax._src.lax import linalg as _linalg  # geqrf has no public API
 from jax._src.lax.windowed_reductions import _select_and_scatter  # no public API
+from jax._src.random import philox2x32 as _philox2x32  # the hashes are not public
+from jax._src.random import philox4x32 as _philox4x32
+from jax._src.random import prng as _prng
+from jax._src.random import threefry4x32 as _threefry4x32
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.layout import Layout, with_layout_constraint
 from jaxshard.rules.attention import bind_forward
@@ -470,6 +474,7 @@ def _spd(batch: int, n: int) -> np.ndarray:
     return (m @ m.transpose(0, 2, 1) + n * np.eye(n, dtype=np.float32)).astype(np.float32)
 
 
+_U32_4 = tuple(np.arange(32 * i, 32 * i + 32, dtype=np.uint32).reshape(4, 8) for i in range(4))
 MATS = _f32(2, 4, 4) + 4 * np.eye(4, dtype=np.float32)  # a batch of 2 invertible 4x4
 SPD = _spd(2, 4)
 _QR_A, _QR_TAUS = (np.asarray(r) for r in _linalg.geqrf(MATS))
@@ -540,6 +545,10 @@ SAMPLES += [
             _f32(2, 4, 2),
         ),
     ),
+    ("threefry4x32", lambda *a: tuple(_threefry4x32.threefry4x32_p.bind(*a)), _U32_4 + _U32_4),
+    ("philox2x32", lambda *a: tuple(_philox2x32.philox2x32_p.bind(*a)), _U32_4[:3]),
+    ("philox4x32", lambda *a: tuple(_philox4x32.philox4x32_p.bind(*a)), _U32_4 + _U32_4[:2]),
+    ("iota_2x32_shape", lambda: _prng.iota_2x32_shape((4, 8)), ()),
     ("platform_index", lambda x: lax.platform_dependent(x, cpu=jnp.sin, default=jnp.cos), (V,)),
     (
         "layout_constraint",

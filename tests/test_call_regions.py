@@ -1,5 +1,5 @@
 """Higher-order primitives that call one inner jaxpr positionally (`composite`,
-`linear_call`, `remat_opt`): shardings propagate through the inner program, the plan
+`linear_call`, `remat_opt`, `custom_vmap_call`): shardings propagate through the inner program, the plan
 lowers with the body rewritten in place, and the sharded run matches unsharded."""
 
 import jax
@@ -22,6 +22,14 @@ sin_vjp = jax.custom_vjp(jnp.sin)
 sin_vjp.defvjp(lambda y: (jnp.sin(y), jnp.cos(y)), lambda c, g: (c * g,), optimize_remat=True)
 
 
+@jax.custom_batching.custom_vmap
+def cube(y):
+    return y**3
+
+
+cube.def_vmap(lambda n, batched, y: (y**3, batched[0]))
+
+
 def weight_grad(x, w):
     return jax.grad(lambda w: sin_vjp(x @ w).sum())(w)
 
@@ -30,6 +38,7 @@ CASES = [
     ("composite", lambda x, w: tanh2(x @ w), "composite", P("data", "model")),
     ("linear_call", lambda x, w: scaled(x @ w), "linear_call", P("data", "model")),
     ("remat_opt", weight_grad, "remat_opt", P(None, "model")),
+    ("custom_vmap", lambda x, w: cube(x @ w), "custom_vmap_call", P("data", "model")),
 ]
 HINTS = {"x": P("data", None), "w": P(None, "model")}
 
