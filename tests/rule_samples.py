@@ -545,6 +545,35 @@ SAMPLES += [
             _f32(2, 4, 2),
         ),
     ),
+    (
+        "scaled_dot",
+        lambda a, b, sa, sb: lax.scaled_dot(
+            a, b, lhs_scale=sa, rhs_scale=sb, preferred_element_type=jnp.float32
+        ),
+        (
+            _f32(4, 8).astype(jnp.float8_e4m3fn),
+            _f32(8, 6).astype(jnp.float8_e4m3fn),
+            _f32(4, 2, lo=0.5, hi=4.0).astype(jnp.float8_e8m0fnu),
+            _f32(2, 6, lo=0.5, hi=4.0).astype(jnp.float8_e8m0fnu),
+        ),
+    ),
+    (
+        "scaled_dot-batch",
+        lambda a, b, sa, sb: lax.scaled_dot(
+            a,
+            b,
+            lhs_scale=sa,
+            rhs_scale=sb,
+            dimension_numbers=(((2,), (1,)), ((0,), (0,))),
+            preferred_element_type=jnp.float32,
+        ),
+        (
+            _f32(2, 4, 8).astype(jnp.float8_e4m3fn),
+            _f32(2, 8, 4).astype(jnp.float8_e4m3fn),
+            _f32(2, 4, 2, lo=0.5, hi=4.0).astype(jnp.float8_e8m0fnu),
+            _f32(2, 2, 4, lo=0.5, hi=4.0).astype(jnp.float8_e8m0fnu),
+        ),
+    ),
     ("threefry4x32", lambda *a: tuple(_threefry4x32.threefry4x32_p.bind(*a)), _U32_4 + _U32_4),
     ("philox2x32", lambda *a: tuple(_philox2x32.philox2x32_p.bind(*a)), _U32_4[:3]),
     ("philox4x32", lambda *a: tuple(_philox4x32.philox4x32_p.bind(*a)), _U32_4 + _U32_4[:2]),

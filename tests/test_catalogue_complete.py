@@ -57,12 +57,13 @@ OPAQUE = """
     xla_metadata_value
 """.split()
 # Not covered yet (they do occur in user programs; the unknown-primitive warning fires):
-# fp8 attention and scaled matmuls need their scale operands' layouts; a custom linear
-# solve's jaxprs sit in a named tuple that lowering cannot yet rewrite in place.
+# cuDNN's fp8 attention and scaled matmul (GPU-only, with amax and scale operands) need
+# rules validated on a GPU; a custom linear solve's jaxprs sit in a named tuple that
+# lowering cannot yet rewrite in place.
 NOT_YET = """
     custom_linear_solve dot_product_attention_fp8_bwd dot_product_attention_fp8_bwd_wrapper
-    dot_product_attention_fp8_fwd dot_product_attention_fp8_fwd_wrapper scaled_dot
-    scaled_matmul scaled_matmul_wrapper
+    dot_product_attention_fp8_fwd dot_product_attention_fp8_fwd_wrapper scaled_matmul
+    scaled_matmul_wrapper
 """.split()
 EXCLUDED = {
     name: group
