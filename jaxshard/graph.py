@@ -10,6 +10,7 @@ boundary: nothing propagates across it, and one warning names it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -94,6 +95,8 @@ class Graph:
     var_vids: dict[Path, dict[Any, int]] = field(default_factory=dict)
     ties: list[tuple[int, int]] = field(default_factory=list)  # (arg leaf, result leaf)
     unknown: dict[str, str] = field(default_factory=dict)  # primitive -> first source line
+    # primitive -> the values its equations cut off: (operands, results)
+    cut: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict, repr=False)
     rule_cache: dict[Any, Rule] = field(default_factory=dict, repr=False)
     # while building: per primitive its registry entries; per equation object its rule
     dispatch: dict[Any, tuple] = field(default_factory=dict, repr=False)
@@ -152,7 +155,9 @@ def build_graph(traced: Traced, axis_sizes: Mapping[str, int]) -> Graph:
         if vi != vo:
             g.apps.append(App(identity_rule(g.shapes[vi]), (vi,), (vo,), "tie"))
     if g.unknown:
-        listed = "; ".join(f"{p} (first at {line})" for p, line in g.unknown.items())
+        listed = "; ".join(
+            f"{p} (first at {line}){_cost(g, *g.cut[p])}" for p, line in g.unknown.items()
+        )
         warn(
             f"no sharding rule for: {listed}. Values keep what they have and nothing "
             "propagates across these equations; `python -m jaxshard rules` lists covered "
@@ -160,6 +165,36 @@ def build_graph(traced: Traced, axis_sizes: Mapping[str, int]) -> Graph:
             JaxshardWarning,
         )
     return g
+
+
+def _cost(g: Graph, operands: list[int], results: list[int], shown: int = 3) -> str:
+    """What a rule-less boundary costs: its results get no sharding from its operands
+    (they stay replicated unless a later use shards them), its operands none from the
+    results' uses.
+
+    Example:
+        >>> g = Graph()
+        >>> a, b = g.new_value(jax.ShapeDtypeStruct((4, 8), "float32")), g.new_value(
+        ...     jax.ShapeDtypeStruct((4, 8), "float32"))
+        >>> g.names[a] = "params/w"
+        >>> print(_cost(g, [a], [b]))
+        : its results (a float32[4, 8] value; 128 bytes) get no sharding from its operands
+        (params/w) and stay replicated unless a later use shards them
+    """
+
+    def names(vids: list[int]) -> str:
+        unique = list(dict.fromkeys(v for v in vids if g.shapes[v]))
+        text = ", ".join(g.value_name(v) for v in unique[:shown])
+        return text + (f" and {len(unique) - shown} more" if len(unique) > shown else "")
+
+    arrays = [v for v in dict.fromkeys(results) if g.shapes[v]]
+    if not arrays:
+        return ""
+    size = sum(math.prod(g.shapes[v]) * getattr(g.dtypes[v], "itemsize", 4) for v in arrays)
+    text = f": its results ({names(results)}; {size} bytes) get no sharding"
+    if any(g.shapes[v] for v in operands):
+        text += f" from its operands ({names(operands)})"
+    return text + " and stay replicated unless a later use shards them"
 
 
 def _build(
@@ -251,6 +286,9 @@ def _build(
         if rule_fn is None:
             if primitive.name not in g.unknown:
                 g.unknown[primitive.name] = source_line(eqn, enclosing)
+            ins, outs = g.cut.setdefault(primitive.name, ([], []))
+            ins.extend(operands)
+            outs.extend(results)
             continue
         rule = g.eqn_rules.get(id(eqn))  # an equation of a body called again: its rule
         if rule is None:

@@ -5,12 +5,14 @@ Importing this package registers every family with the engine's registry
 """
 
 from jaxshard.rules import (
+    attention,
     contraction,
     control_flow,
     convolution,
     cumulative,
     elementwise,
     indexing,
+    linalg,
     misc,
     random,
     reduction,
@@ -21,12 +23,14 @@ from jaxshard.rules import (
 )
 
 __all__ = [
+    "attention",
     "contraction",
     "control_flow",
     "convolution",
     "cumulative",
     "elementwise",
     "indexing",
+    "linalg",
     "misc",
     "random",
     "reduction",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 
-from jaxshard.rule import Factor, Rule, register_rule
+from jaxshard.rule import Factor, Rule, primitive, register_rule
 
 UNARY = (
     "abs",
@@ -132,3 +132,4 @@ def _primitives(names: tuple[str, ...]) -> list:
 
 
 register_rule(*_primitives(UNARY + NARY))(elementwise_rule)
+register_rule(primitive("mulhi"))(elementwise_rule)

@@ -11,6 +11,7 @@ cannot combine duplicates across devices, so those dims are need-replication.
 
 from __future__ import annotations
 
+from jax._src.lax import slicing  # scatter_sub_p is not exported by jax.extend
 from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 
@@ -117,7 +118,10 @@ def scatter_rule(eqn: JaxprEqn, combinable: bool) -> Rule:
     return b.build()
 
 
-register_rule(p.scatter_add_p)(lambda eqn: scatter_rule(eqn, combinable=True))
+# a subtraction of partial sums is the subtraction of their total: combinable like add
+register_rule(p.scatter_add_p, slicing.scatter_sub_p)(
+    lambda eqn: scatter_rule(eqn, combinable=True)
+)
 register_rule(p.scatter_p, p.scatter_mul_p, p.scatter_min_p, p.scatter_max_p)(
     lambda eqn: scatter_rule(eqn, combinable=False)
 )

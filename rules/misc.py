@@ -1,5 +1,11 @@
 """Primitives that fit no larger family: identities (`optimization_barrier`,
-`device_put`, `name`), `bitcast_convert_type`, the generic `reduce` and `ragged_dot_general`.
+`device_put`, `name`, `layout_constraint`), `platform_index`, `bitcast_convert_type`, the
+generic `reduce` and `ragged_dot_general`.
+
+A layout constraint fixes the order of dims in memory, not which device holds what, but
+XLA does not partition it: a split operand is all-gathered (measured by the rule
+execution test), so its dims are need-replication.
+`platform_index` has no operands and a scalar result: there is nothing to shard.
 
 The identities pair operand i with result i, every dim passing through. A bitcast to a
 narrower or wider type adds or drops a trailing dim, which is need-replication; the
@@ -12,11 +18,14 @@ remaining dims behave as in `dot_general`.
 
 from __future__ import annotations
 
+from jax._src import pjit  # layout_constraint_p is not public
+from jax._src.lax.control_flow import platform_index_p
 from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 from jaxshard.rules.elementwise import elementwise_rule
 from jaxshard.rules.random import leading_rule
 
+from jaxshard.errors import JaxshardBug
 from jaxshard.rule import FactorKind, Rule, RuleBuilder, primitive, register_rule, shapes_of
 
 NEED = FactorKind.NEED_REPLICATION
@@ -146,4 +155,39 @@ def ragged_dot_rule(eqn: JaxprEqn) -> Rule:
     for ld, rd in zip(lc, rc):
         kind = NEED if ld == ragged else FactorKind.REDUCTION
         b.add_factor(operand_dims(ld, rd), {}, lhs[ld], kind)
+    return b.build()
+
+
+@register_rule(platform_index_p)
+def no_factor_rule(eqn: JaxprEqn) -> Rule:
+    """Scalar operands and results only: a rule without factors.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> f = lambda x: jax.lax.platform_dependent(x, cpu=jnp.sin, default=jnp.cos)
+        >>> eqn = jax.make_jaxpr(f)(jnp.ones(2)).eqns[0]
+        >>> eqn.primitive.name, str(no_factor_rule(eqn))
+        ('platform_index', '()->([]) {}')
+    """
+    ins, outs = shapes_of(eqn.invars), shapes_of(eqn.outvars)
+    if any(ins) or any(outs):
+        raise JaxshardBug(f"{eqn.primitive.name}: expected scalars, got {ins} -> {outs}")
+    return RuleBuilder(len(ins), len(outs), ([0] * len(ins), [0] * len(outs))).build()
+
+
+@register_rule(pjit.layout_constraint_p)
+def layout_constraint_rule(eqn: JaxprEqn) -> Rule:
+    """Result is the operand; every dim is need-replication (XLA gathers it otherwise).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.experimental.layout import Layout, with_layout_constraint
+        >>> f = lambda x: with_layout_constraint(x, Layout(major_to_minor=(0, 1)))
+        >>> print(layout_constraint_rule(jax.make_jaxpr(f)(jnp.ones((4, 8))).eqns[0]))
+        ([a, b])->([a, b]) need_replication={a, b} {a=4, b=8}
+    """
+    (shape,) = shapes_of(eqn.invars)
+    b = RuleBuilder(1, 1, ([len(shape)], [len(shape)]))
+    for d, size in enumerate(shape):
+        b.add_factor({0: d}, {0: d}, size, NEED)
     return b.build()

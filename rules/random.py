@@ -9,12 +9,15 @@ through to the leading dims of what they produce. The dims a key generates (the
 depend on a flag. A key-typed value's shape leaves out the implementation's trailing
 dims (``key<fry>[3]`` holds ``uint32[3, 2]``); `random_wrap` and `random_unwrap` give
 those dims need-replication factors of their own. `random_seed`, `random_fold_in`,
-`random_clone` and `threefry2x32` are elementwise. `random_gamma` and the XLA generators are
+`random_clone` and the counter-based hashes (`threefry2x32`, `threefry4x32`,
+`philox2x32`, `philox4x32`) are elementwise; `iota_2x32_shape` (their counters) is an
+iota. `random_gamma` and the XLA generators are
 need-replication throughout.
 """
 
 from __future__ import annotations
 
+from jax._src.random import philox2x32, philox4x32, threefry4x32  # not exported
 from jax.extend.core import JaxprEqn, Primitive
 from jax.extend.core import primitives as p
 from jaxshard.rules.elementwise import elementwise_rule
@@ -121,5 +124,30 @@ def xla_generator_rule(eqn: JaxprEqn) -> Rule:
 
 
 register_rule(
-    p.random_seed_p, p.random_fold_in_p, p.threefry2x32_p, _prng_primitive("random_clone")
+    p.random_seed_p,
+    p.random_fold_in_p,
+    p.threefry2x32_p,
+    threefry4x32.threefry4x32_p,
+    philox2x32.philox2x32_p,
+    philox4x32.philox4x32_p,
+    _prng_primitive("random_clone"),
 )(elementwise_rule)
+
+
+@register_rule(_prng_primitive("iota_2x32_shape"))
+def iota_2x32_rule(eqn: JaxprEqn) -> Rule:
+    """The high and low words of a 64-bit iota: no operands, each dim a factor shared by
+    both results (a slice of an iota is computed locally from its offset).
+
+    Example:
+        >>> from jax._src.random import prng
+        >>> import jax
+        >>> eqn = jax.make_jaxpr(lambda: prng.iota_2x32_shape((4, 8)))().eqns[0]
+        >>> print(iota_2x32_rule(eqn))
+        ()->([a, b], [a, b]) {a=4, b=8}
+    """
+    outs = shapes_of(eqn.outvars)
+    b = RuleBuilder(0, len(outs), ([], [len(s) for s in outs]))
+    for d, size in enumerate(outs[0]):
+        b.add_factor({}, dict.fromkeys(range(len(outs)), d), size)
+    return b.build()

@@ -182,3 +182,71 @@ def pad_rule(eqn: JaxprEqn) -> Rule:
 def rev_rule(eqn: JaxprEqn) -> Rule:
     """Reversed dims are need-replication (a reversed shard lives on another device)."""
     return aligned_rule(eqn, set(eqn.params["dimensions"]))
+
+
+@register_rule(primitive("stack"))
+def stack_rule(eqn: JaxprEqn) -> Rule:
+    """Every operand's dims pass through to the result's dims around ``axis``; the new
+    ``axis`` dim (one slice per operand) is need-replication: XLA lowers a stack to a
+    concatenate, and splitting the concatenated dim compiles to an all-to-all even when
+    every operand is replicated (measured by the rule execution test).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> f = lambda a, b: jnp.stack([a, b], axis=1)
+        >>> print(stack_rule(jax.make_jaxpr(f)(jnp.ones((4, 8)), jnp.ones((4, 8))).eqns[0]))
+        ([a, c], [a, c])->([a, b, c]) need_replication={b} {a=4, b=2, c=8}
+    """
+    ins, (out,) = shapes_of(eqn.invars), shapes_of(eqn.outvars)
+    axis = eqn.params["axis"]
+    b = RuleBuilder(len(ins), 1, ([len(s) for s in ins], [len(out)]))
+    for d, size in enumerate(out):
+        if d == axis:
+            b.add_factor({}, {0: d}, size, NEED)
+        else:
+            b.add_factor(dict.fromkeys(range(len(ins)), d - (d > axis)), {0: d}, size)
+    return b.build()
+
+
+@register_rule(primitive("unstack"))
+def unstack_rule(eqn: JaxprEqn) -> Rule:
+    """The operand's other dims pass through to every result; the unstacked ``axis`` is
+    need-replication (result i is slice i, which lives on one device if it is split).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> f = lambda x: jnp.unstack(x, axis=0)
+        >>> print(unstack_rule(jax.make_jaxpr(f)(jnp.ones((2, 8))).eqns[0]))
+        ([a, b])->([b], [b]) need_replication={a} {a=2, b=8}
+    """
+    (shape,), outs = shapes_of(eqn.invars), shapes_of(eqn.outvars)
+    axis = eqn.params["axis"]
+    b = RuleBuilder(1, len(outs), ([len(shape)], [len(s) for s in outs]))
+    every = range(len(outs))
+    for d, size in enumerate(shape):
+        if d == axis:
+            b.add_factor({0: d}, {}, size, NEED)
+        else:
+            b.add_factor({0: d}, dict.fromkeys(every, d - (d > axis)), size)
+    return b.build()
+
+
+@register_rule(primitive("tile"))
+def tile_rule(eqn: JaxprEqn) -> Rule:
+    """Result dim d is ``reps[d]`` copies of operand dim d, copy-major: ``[r, a]`` with
+    ``r`` a result-only factor (whole copies are local) and ``a`` the operand's, which
+    may carry a sharding only where ``reps[d]`` is 1.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> eqn = jax.make_jaxpr(lambda x: jnp.tile(x, (2, 1)))(jnp.ones((4, 8))).eqns[0]
+        >>> print(tile_rule(eqn))
+        ([b, c])->([ab, c]) {a=2, b=4, c=8}
+    """
+    (shape,), (out,) = shapes_of(eqn.invars), shapes_of(eqn.outvars)
+    b = RuleBuilder(1, 1, ([len(shape)], [len(out)]))
+    for d, (size, reps) in enumerate(zip(shape, eqn.params["reps"])):
+        if reps != 1:
+            b.add_factor({}, {0: d}, reps)
+        b.add_factor({0: d}, {0: d}, size)
+    return b.build()

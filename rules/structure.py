@@ -1,7 +1,9 @@
 """Higher-order primitives as graph structure: their inner jaxprs, linked to the outer values.
 
 `jit` (pjit), `closed_call`, `remat`/`checkpoint`, `custom_jvp_call` and
-`custom_vjp_call` call one inner jaxpr on the equation's operands: each operand is the
+`custom_vjp_call`, `composite` (a named decomposition), `linear_call` (its callee) and
+`remat_opt` (a custom-vjp forward under remat) and `custom_vmap_call` call one inner jaxpr on the equation's
+operands: each operand is the
 inner input of the same position and each result the inner output. The links are
 identities, so the engine inlines them; lowering rewrites each body in place, so nested
 jits, custom derivatives and rematerialization boundaries survive. `shard_map` is a boundary: its
@@ -11,6 +13,7 @@ planned.
 
 from __future__ import annotations
 
+from jax._src import custom_batching, custom_derivatives  # not public: linear_call_p, ...
 from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 from jax.sharding import PartitionSpec
@@ -45,9 +48,75 @@ def call_region(eqn: JaxprEqn) -> list[Region]:
     ]
 
 
-register_region(p.jit_p, p.closed_call_p, p.remat_p, p.custom_jvp_call_p, p.custom_vjp_call_p)(
-    call_region
-)
+register_region(
+    p.jit_p,
+    p.closed_call_p,
+    p.remat_p,
+    p.custom_jvp_call_p,
+    p.custom_vjp_call_p,
+    primitive("composite"),
+)(call_region)
+
+
+@register_region(custom_derivatives.linear_call_p)
+def linear_call_region(eqn: JaxprEqn) -> list[Region]:
+    """`linear_call` runs ``callee`` on its operands (constants, residuals, linear
+    inputs, positionally); the transpose is only traced when differentiating, so the
+    forward program is the callee.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.custom_derivatives import linear_call
+        >>> f = lambda x: linear_call(lambda r, x: x * r, lambda r, t: t * r, 2.0, x)
+        >>> eqn = jax.make_jaxpr(f)(jnp.ones(3)).eqns[0]
+        >>> region, = linear_call_region(eqn)
+        >>> region.param, [link.outer for link in region.links]
+        ('callee', [('in', 0), ('in', 1), ('out', 0)])
+    """
+    return _positional_region(eqn, "callee")
+
+
+@register_region(custom_derivatives.remat_opt_p)
+def remat_opt_region(eqn: JaxprEqn) -> list[Region]:
+    """A `custom_vjp` forward under remat with ``optimize_remat=True``: ``fwd_jaxpr``
+    maps the operands (constants, then arguments) to the results (residuals, then
+    outputs) positionally; the primal-only thunk is not traced.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> f = jax.custom_vjp(jnp.sin)
+        >>> f.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (c * g,),
+        ...          optimize_remat=True)
+        >>> jaxpr = jax.make_jaxpr(lambda x: jax.jvp(f, (x,), (x,)))(jnp.ones(3))
+        >>> eqn = next(e for e in jaxpr.eqns if e.primitive.name == "remat_opt")
+        >>> remat_opt_region(eqn)[0].param
+        'fwd_jaxpr'
+    """
+    return _positional_region(eqn, "fwd_jaxpr")
+
+
+@register_region(custom_batching.custom_vmap_p)
+def custom_vmap_region(eqn: JaxprEqn) -> list[Region]:
+    """`jax.custom_batching.custom_vmap` outside a vmap runs ``call`` (constants, then
+    arguments) positionally; its batching rule only matters under `vmap`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> f = jax.custom_batching.custom_vmap(jnp.sin)
+        >>> f.def_vmap(lambda n, batched, x: (jnp.sin(x), batched[0]))  # doctest: +ELLIPSIS
+        <function ...>
+        >>> eqn = jax.make_jaxpr(f)(jnp.ones(3)).eqns[0]
+        >>> custom_vmap_region(eqn)[0].param
+        'call'
+    """
+    return _positional_region(eqn, "call")
+
+
+def _positional_region(eqn: JaxprEqn, param: str) -> list[Region]:
+    inner = eqn.params[param]
+    links = [Link(("in", i), ("in", i)) for i in range(len(eqn.invars))]
+    links += [Link(("out", i), ("out", i)) for i in range(len(eqn.outvars))]
+    return [Region(inner.jaxpr, tuple(inner.consts), tuple(links), param=param)]
 
 
 @register_boundary(primitive("shard_map"))

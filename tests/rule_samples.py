@@ -19,8 +19,16 @@ import jax.extend.random as jex_random
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src.cudnn import fused_attention_stablehlo as _cudnn  # private primitives
+from jax._src.lax import linalg as _linalg  # geqrf has no public API
 from jax._src.lax.windowed_reductions import _select_and_scatter  # no public API
+from jax._src.random import philox2x32 as _philox2x32  # the hashes are not public
+from jax._src.random import philox4x32 as _philox4x32
+from jax._src.random import prng as _prng
+from jax._src.random import threefry4x32 as _threefry4x32
 from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.layout import Layout, with_layout_constraint
+from jaxshard.rules.attention import bind_forward
 
 from jaxshard.rule import primitive
 
@@ -456,3 +464,192 @@ SAMPLES += [
         (_f32(4, 2, 8), _f32(4, 8, 2), np.array([1, 3], np.int32)),
     ),
 ]
+
+# --- stacking, tiling, fft, linear algebra ---------------------------------------------
+
+
+def _spd(batch: int, n: int) -> np.ndarray:
+    """Well-conditioned symmetric positive definite matrices (cholesky, eigh)."""
+    m = _f32(batch, n, n)
+    return (m @ m.transpose(0, 2, 1) + n * np.eye(n, dtype=np.float32)).astype(np.float32)
+
+
+_U32_4 = tuple(np.arange(32 * i, 32 * i + 32, dtype=np.uint32).reshape(4, 8) for i in range(4))
+MATS = _f32(2, 4, 4) + 4 * np.eye(4, dtype=np.float32)  # a batch of 2 invertible 4x4
+SPD = _spd(2, 4)
+_QR_A, _QR_TAUS = (np.asarray(r) for r in _linalg.geqrf(MATS))
+
+SAMPLES += [
+    ("stack", lambda a, b: jnp.stack([a, b], 1), (X, Y)),
+    ("stack-leading", lambda a, b: jnp.stack([a, b]), (X, Y)),
+    ("unstack", lambda x: jnp.unstack(x, axis=0), (_f32(2, 8),)),
+    ("unstack-minor", lambda x: jnp.unstack(x, axis=1), (_f32(4, 2),)),
+    ("tile", lambda x: jnp.tile(x, (2, 1)), (X,)),
+    ("tile-minor", lambda x: jnp.tile(x, (1, 2)), (X,)),
+    (
+        "mulhi",
+        lax.mul_hi if hasattr(lax, "mul_hi") else primitive("mulhi").bind,
+        (INT, NONZERO_INT),
+    ),
+    ("fft", jnp.fft.fft, (X,)),
+    ("rfft", jnp.fft.rfft, (X,)),
+    (
+        "irfft",
+        lambda x: jnp.fft.irfft(x, n=6),
+        ((_f32(4, 4) + 1j * _f32(4, 4)).astype(np.complex64),),
+    ),
+    ("fft2", jnp.fft.fft2, (_f32(2, 4, 8),)),
+    ("scatter-sub", lambda t, i, u: t.at[i].subtract(u), (TABLE, _index(16, 4), _f32(4, 8))),
+    ("cholesky", jnp.linalg.cholesky, (SPD,)),
+    ("cholesky_update", lax.linalg.cholesky_update, (np.linalg.cholesky(SPD[0]).T, _f32(4))),
+    (
+        "triangular_solve-left",
+        lambda a, b: lax.linalg.triangular_solve(a, b, left_side=True, lower=True),
+        (MATS, _f32(2, 4, 2)),
+    ),
+    (
+        "triangular_solve-right",
+        lambda a, b: lax.linalg.triangular_solve(a, b, left_side=False, transpose_a=True),
+        (MATS, _f32(2, 2, 4)),
+    ),
+    ("qr", jnp.linalg.qr, (MATS,)),
+    ("qr-pivoting", lambda a: lax.linalg.qr(a, pivoting=True), (MATS,)),
+    ("geqrf", _linalg.geqrf, (MATS,)),
+    ("geqp3", _linalg.geqp3, (MATS, np.zeros((2, 4), np.int32))),
+    ("householder_product", lax.linalg.householder_product, (_QR_A, _QR_TAUS)),
+    ("ormqr", lambda a, t, c: lax.linalg.ormqr(a, t, c), (_QR_A, _QR_TAUS, _f32(2, 4, 2))),
+    ("eigh", jnp.linalg.eigh, (SPD,)),
+    ("eig", lambda a: lax.linalg.eig(a, compute_left_eigenvectors=False), (SPD,)),
+    ("svd", jnp.linalg.svd, (MATS,)),
+    ("lu", lax.linalg.lu, (MATS,)),
+    (
+        "lu_pivots_to_permutation",
+        lambda p: lax.linalg.lu_pivots_to_permutation(p, 4),
+        (np.array([[1, 3, 2, 3], [0, 2, 2, 3]], np.int32),),
+    ),
+    ("hessenberg", lax.linalg.hessenberg, (MATS,)),
+    ("schur", lax.linalg.schur, (MATS,)),
+    ("tridiagonal", lax.linalg.tridiagonal, (SPD,)),
+    (
+        "symmetric_product",
+        lambda a, c: lax.linalg.symmetric_product(a, c),
+        (_f32(2, 4, 2), SPD),
+    ),
+    (
+        "tridiagonal_solve",
+        lax.linalg.tridiagonal_solve,
+        (
+            np.concatenate([np.zeros((2, 1)), _f32(2, 3)], 1).astype(np.float32),
+            _f32(2, 4, lo=4.0, hi=6.0),
+            np.concatenate([_f32(2, 3), np.zeros((2, 1))], 1).astype(np.float32),
+            _f32(2, 4, 2),
+        ),
+    ),
+    (
+        "scaled_dot",
+        lambda a, b, sa, sb: lax.scaled_dot(
+            a, b, lhs_scale=sa, rhs_scale=sb, preferred_element_type=jnp.float32
+        ),
+        (
+            _f32(4, 8).astype(jnp.float8_e4m3fn),
+            _f32(8, 6).astype(jnp.float8_e4m3fn),
+            _f32(4, 2, lo=0.5, hi=4.0).astype(jnp.float8_e8m0fnu),
+            _f32(2, 6, lo=0.5, hi=4.0).astype(jnp.float8_e8m0fnu),
+        ),
+    ),
+    (
+        "scaled_dot-batch",
+        lambda a, b, sa, sb: lax.scaled_dot(
+            a,
+            b,
+            lhs_scale=sa,
+            rhs_scale=sb,
+            dimension_numbers=(((2,), (1,)), ((0,), (0,))),
+            preferred_element_type=jnp.float32,
+        ),
+        (
+            _f32(2, 4, 8).astype(jnp.float8_e4m3fn),
+            _f32(2, 8, 4).astype(jnp.float8_e4m3fn),
+            _f32(2, 4, 2, lo=0.5, hi=4.0).astype(jnp.float8_e8m0fnu),
+            _f32(2, 2, 4, lo=0.5, hi=4.0).astype(jnp.float8_e8m0fnu),
+        ),
+    ),
+    ("threefry4x32", lambda *a: tuple(_threefry4x32.threefry4x32_p.bind(*a)), _U32_4 + _U32_4),
+    ("philox2x32", lambda *a: tuple(_philox2x32.philox2x32_p.bind(*a)), _U32_4[:3]),
+    ("philox4x32", lambda *a: tuple(_philox4x32.philox4x32_p.bind(*a)), _U32_4 + _U32_4[:2]),
+    ("iota_2x32_shape", lambda: _prng.iota_2x32_shape((4, 8)), ()),
+    ("platform_index", lambda x: lax.platform_dependent(x, cpu=jnp.sin, default=jnp.cos), (V,)),
+    (
+        "layout_constraint",
+        # x + 0 so that eager interpretation hands the constraint a jax.Array
+        lambda x: with_layout_constraint(x + 0, Layout(major_to_minor=(0, 1))),
+        (X,),
+    ),
+]
+
+# --- cuDNN fused attention: traced everywhere, run only where cuDNN is ------------------
+# tests/test_attention_rule.py validates these rules' factors on the XLA reference
+# implementation (jax.nn.dot_product_attention(implementation="xla")) of the same shapes.
+
+
+_ATTENTION = dict(
+    scale=0.25, seed=42, dropout_rate=0.0, variadic_args=(False, False),
+    mask_type=_cudnn.MaskType.NO_MASK, layout=_cudnn.AttentionLayout.BTNH.value,
+    sliding_window_length=None,
+)  # fmt: skip
+
+
+def _unused(q) -> tuple:
+    """The seven placeholder operands (bias, lengths, offsets, page tables)."""
+    return (jnp.zeros(0, q.dtype),) * 7
+
+
+def _attention_bwd(q, k, v, out, stat, dout):
+    unused = jnp.zeros(0, q.dtype)
+    return tuple(
+        _cudnn._dot_product_attention_bwd_p_wrapper.bind(
+            q, k, v, unused, unused, unused, unused, unused, unused, unused, stat, out, dout,
+            scale=1.0 / q.shape[-1] ** 0.5, seed=42, dropout_rate=0.0,
+            variadic_args=(False, False), mask_type=_cudnn.MaskType.NO_MASK,
+            layout=_cudnn.AttentionLayout.BTNH.value, sliding_window_length=None,
+        )
+    )  # fmt: skip
+
+
+_Q = _f32(2, 8, 4, 16).astype(jnp.bfloat16)  # (B, T, N, H)
+_KV = _f32(2, 8, 2, 16).astype(jnp.bfloat16)  # grouped-query: 2 kv heads for 4 query heads
+REFERENCE_SAMPLES = [
+    ("attention-fwd", lambda q, k, v: tuple(bind_forward(q, k, v)), (_Q, _Q, _Q)),
+    ("attention-fwd-gqa", lambda q, k, v: tuple(bind_forward(q, k, v)), (_Q, _KV, _KV)),
+    (
+        "attention-fwd-causal-training",
+        lambda q, k, v: tuple(bind_forward(q, k, v, causal=True, training=True)),
+        (_Q, _Q, _Q),
+    ),
+    (
+        "attention-bwd",
+        _attention_bwd,
+        (_Q, _Q, _Q, _Q, np.ones((2, 4, 8), np.float32), _Q),
+    ),
+    # the primitives the wrappers bind when they are lowered
+    (
+        "attention-fwd-inner",
+        lambda q, k, v: tuple(
+            _cudnn._dot_product_attention_fwd_impl(
+                q, k, v, *_unused(q), **_ATTENTION, is_training=False
+            )
+        ),
+        (_Q, _Q, _Q),
+    ),
+    (
+        "attention-bwd-inner",
+        lambda q, k, v, out, stat, dout: tuple(
+            _cudnn._dot_product_attention_bwd_impl(
+                q, k, v, *_unused(q), stat, out, dout, **_ATTENTION
+            )
+        ),
+        (_Q, _Q, _Q, _Q, np.ones((2, 4, 8), np.float32), _Q),
+    ),
+]
+if jax.default_backend() == "gpu":  # run them for real, like every other sample
+    SAMPLES += REFERENCE_SAMPLES

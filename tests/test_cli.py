@@ -9,6 +9,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -20,10 +21,12 @@ ROOT = os.path.dirname(HERE)
 
 
 def uncovered_factory():
-    """A function with a primitive the catalogue does not cover (cholesky)."""
+    """A function with a primitive the catalogue does not cover (a host callback)."""
 
     def f(a, x):
-        return jnp.linalg.cholesky(a @ a.T + 4 * jnp.eye(4)) @ x
+        spd = a @ a.T + 4 * jnp.eye(4)
+        chol = jax.pure_callback(np.linalg.cholesky, jax.ShapeDtypeStruct((4, 4), jnp.float32), spd)
+        return chol @ x
 
     return f, (jax.ShapeDtypeStruct((4, 4), jnp.float32), jax.ShapeDtypeStruct((4, 8), jnp.float32))
 
@@ -38,7 +41,7 @@ def test_missing_reports_uncovered_primitives(capsys):
     with pytest.warns(jaxshard.JaxshardWarning):
         assert main(["missing", os.path.join(HERE, "test_cli.py:uncovered_factory")]) == 0
     out = capsys.readouterr()
-    assert out.out.startswith("cholesky\t") and "test_cli.py" in out.out
+    assert out.out.startswith("pure_callback\t") and "test_cli.py" in out.out
     assert "1 primitive(s) without a rule" in out.err
 
 
@@ -80,7 +83,9 @@ def test_memory_budget_needs_search_and_a_byte_count(capsys):
 def test_unknown_primitive_warns_once_and_is_a_boundary(mesh):
     f, args = uncovered_factory()
     with pytest.warns(
-        jaxshard.JaxshardWarning, match=r"no sharding rule for: cholesky \(first at .*test_cli.py"
+        jaxshard.JaxshardWarning,
+        match=r"no sharding rule for: pure_callback \(first at .*test_cli.py.*: its results "
+        r"\(a float32\[4, 4\] value; 64 bytes\) get no sharding from its operands",
     ):
         plan = jaxshard.make_plan(f, args, {}, mesh, {"x": P(None, "model")})
     assert plan.in_specs == (P(), P(None, "model"))

@@ -34,14 +34,24 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 from jax.extend.core import primitives as p
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from rule_samples import SAMPLES
+from rule_samples import REFERENCE_SAMPLES, SAMPLES
 
 from jaxshard.rule import _REGIONS, _RULES, FactorKind, Rule, rule_fn_for
 from jaxshard.verify import hlo_collectives
 
 # "case id" -> what is wrong with the rule; each is an xfail(strict=True), so fixing the
 # rule makes the case pass and the stale entry fail until it is removed here.
-KNOWN_RULE_BUGS: dict[str, str] = {}
+# Not rule bugs: JAX 0.10.2 on CPU cannot compile mulhi (which the philox hashes use)
+# under any sharding annotation ("Unable to convert MHLO to StableHLO", even replicated);
+# these run once JAX can.
+_MULHI = "JAX 0.10.2 cannot lower a sharded mulhi on CPU"
+KNOWN_RULE_BUGS: dict[str, str] = {
+    "mulhi-mulhi-a-pass": _MULHI,
+    "philox2x32-philox2x32-a-pass": _MULHI,
+    "philox2x32-philox2x32-b-pass": _MULHI,
+    "philox4x32-philox4x32-a-pass": _MULHI,
+    "philox4x32-philox4x32-b-pass": _MULHI,
+}
 
 # XLA computes these with a while loop whose termination test reduce_or's a convergence
 # flag over the whole array, so a sharded run all-reduces a pred[] scalar per iteration.
@@ -326,11 +336,17 @@ def _check_declared_combination(
 
 
 def test_every_rule_has_a_sample() -> None:
-    missing = sorted(prim.name for prim in _RULES if prim not in COVERED)
+    # primitives that cannot run here are traced only (tests/test_attention_rule.py)
+    traced = {e.primitive for _, fn, args in REFERENCE_SAMPLES for e in _reference_eqns(fn, args)}
+    missing = sorted(prim.name for prim in _RULES if prim not in COVERED | traced)
     assert not missing, (
         f"primitives with a rule but no equation in tests/rule_samples.py: {missing}; "
         "add a sample program for each"
     )
+
+
+def _reference_eqns(fn, args) -> list:
+    return [eqn for _, eqn in _equations(jax.make_jaxpr(fn)(*args).jaxpr)]
 
 
 def test_known_rule_bugs_name_cases() -> None:
