@@ -238,11 +238,14 @@ def _build(
         rule = g.eqn_rules.get(id(eqn))  # an equation of a body called again: its rule
         if rule is None:
             rule = g.eqn_rules[id(eqn)] = _rule(g, rule_fn, eqn, enclosing)
+        if rule is None:  # the rule function found nothing to read (a kernel without a rule)
+            g.unknown.setdefault(primitive.name, source_line(eqn, enclosing))
+            continue
         g.apps.append(App(rule, tuple(operands), tuple(results), "eqn", eqn, enclosing))
     return [read(v) for v in jaxpr.outvars]
 
 
-def _rule(g: Graph, rule_fn, eqn: JaxprEqn, enclosing: Where) -> Rule:
+def _rule(g: Graph, rule_fn, eqn: JaxprEqn, enclosing: Where) -> Rule | None:
     """The equation's rule, built and checked once per distinct (primitive, shapes,
     dtypes, params): repeated layers share one Rule object."""
     try:
@@ -260,6 +263,8 @@ def _rule(g: Graph, rule_fn, eqn: JaxprEqn, enclosing: Where) -> Rule:
     rule = g.rule_cache.get(key) if key is not None else None
     if rule is None:
         rule = rule_fn(eqn)
+        if rule is None:
+            return None
         shapes = shapes_of(eqn.invars), shapes_of(eqn.outvars)
         try:
             rule.check(*shapes, eqn.primitive.name)
