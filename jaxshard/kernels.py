@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 from jax._src import core as jax_core  # Primitive with multiple results, jaxpr_as_fun
-from jax._src import config
+from jax._src import config, dispatch
 from jax._src.custom_partitioning_sharding_rule import (  # the parser custom_partitioning uses
     str_to_sdy_sharding_rule,
 )
@@ -369,6 +369,8 @@ with_rule_p.def_impl(_impl)
 with_rule_p.def_effectful_abstract_eval(_abstract_eval)
 mlir.register_lowering(with_rule_p, _lower)
 batching.primitive_batchers[with_rule_p] = _batch
+# its lowering is a custom_partitioning op, which needs the devices while lowering
+dispatch.prim_requires_devices_during_lowering.add(with_rule_p)
 
 
 def _bind(fn: Callable, rule: SdyShardingRule, name: str, n_ruled_of: Callable, args):
