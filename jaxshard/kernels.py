@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax._src import core as jax_core  # Primitive with multiple results, jaxpr_as_fun
 from jax._src import config, dispatch
+from jax._src import core as jax_core  # Primitive with multiple results, jaxpr_as_fun
 from jax._src.custom_partitioning_sharding_rule import (  # the parser custom_partitioning uses
     str_to_sdy_sharding_rule,
 )
@@ -285,7 +285,9 @@ def to_sdy(rule: Rule) -> SdyShardingRule:
                 out.append(CompoundFactor(*(f"f{f}" for f in d)))
         return ArrayMapping(*out)
 
-    kinds = {k: tuple(f"f{i}" for i, f in enumerate(rule.factors) if f.kind is k) for k in FactorKind}
+    kinds = {
+        k: tuple(f"f{i}" for i, f in enumerate(rule.factors) if f.kind is k) for k in FactorKind
+    }
     return SdyShardingRule(
         tuple(mapping(t) for t in rule.operands),
         tuple(mapping(t) for t in rule.results),
