@@ -148,8 +148,12 @@ def check_factor(
     ops = [jax.device_put(a, s) for a, s in zip(args, in_shardings)]
     jitted = jax.jit(lambda *a: tuple(apply(*a)), in_shardings=in_shardings,
                      out_shardings=out_shardings)  # fmt: skip
-    compiled = jitted.lower(*ops).compile()
-    actual = compiled(*ops)
+    try:
+        compiled = jitted.lower(*ops).compile()
+        actual = compiled(*ops)
+    except Exception as e:  # noqa: BLE001 - e.g. the function cannot run on a shard
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise RuleCheckError(f"{where}: running it sharded failed: {first}") from e
     if len(actual) != len(expected):
         raise RuleCheckError(f"{where}: {len(actual)} results, expected {len(expected)}")
     for i, (a, e) in enumerate(zip(actual, expected)):

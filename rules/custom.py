@@ -56,6 +56,6 @@ def with_rule_rule(eqn: JaxprEqn) -> Rule:
         >>> f = with_rule("b d -> b d")(jnp.tanh)
         >>> eqn = jax.make_jaxpr(f)(jnp.ones((4, 2))).eqns[0].params["call_jaxpr"].eqns[0]
         >>> print(with_rule_rule(eqn))
-        ([a, b])->([a, b]) {a=4, b=2}
+        ([b, d])->([b, d]) {b=4, d=2}
     """
     return call_rule(eqn.params, shapes_of(eqn.invars), shapes_of(eqn.outvars))
