@@ -53,9 +53,7 @@ def _pallas(kernel, out_like, *args):
 
 
 # the backward kernel is a kernel too: it gets its own rule
-act_grad = jaxshard.with_rule("b h, b h -> b h")(
-    lambda x, g: _pallas(_act_grad_kernel, x, x, g)
-)
+act_grad = jaxshard.with_rule("b h, b h -> b h")(lambda x, g: _pallas(_act_grad_kernel, x, x, g))
 
 
 @jax.custom_vjp

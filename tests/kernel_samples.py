@@ -49,9 +49,7 @@ SAMPLES = [
     ("with_rule-scale", jaxshard.with_rule("b d, d -> b d")(lambda x, s: x * s), (A, B[:, 0])),
     (
         "with_rule-sumsq",
-        jaxshard.with_rule("b d -> b", reduction_factors=("d",))(
-            lambda x: jnp.sum(x * x, axis=1)
-        ),
+        jaxshard.with_rule("b d -> b", reduction_factors=("d",))(lambda x: jnp.sum(x * x, axis=1)),
         (A,),
     ),
 ]
