@@ -222,8 +222,11 @@ def call_rule(params: dict, in_shapes, out_shapes) -> Rule:
     """The rule of a `with_rule` equation: the user's rule over its first operands and
     results, extended over the constants the body captured (trailing operands) and the
     values it saves for the backward pass (trailing results). One of those that is a
-    ruled operand or result of the body keeps its factors; any other is replicated,
-    which is always correct.
+    ruled operand or result of the body keeps its factors. The dims of any other saved
+    value are found by tracing the body (shapes only) with each pass-through factor's
+    dims halved: a dim that halves with exactly one factor carries it, a dim that never
+    changes is replicated; a factor that changes a saved value any other way, and every
+    reduction factor (a shard's saved values would be partial), need replication here.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -240,14 +243,25 @@ def call_rule(params: dict, in_shapes, out_shapes) -> Rule:
     inner = params["jaxpr"].jaxpr
     known = dict(zip(inner.invars, base.operands))
     known.update((v, d) for v, d in zip(inner.outvars, base.results) if isinstance(v, Var))
-    factors = list(base.factors)
+    saved = [
+        j
+        for j, v in enumerate(inner.outvars[n_ruled:], n_ruled)
+        if not (isinstance(v, Var) and v in known)
+    ]
+    carried, demoted = ({}, set()) if not saved else _probe(params, base, n_ops, saved)
+    factors = [
+        Factor(f.name, f.size, FactorKind.NEED_REPLICATION) if i in demoted else f
+        for i, f in enumerate(base.factors)
+    ]
 
-    def dims_for(var, shape) -> tuple:
+    def dims_for(var, shape, carries=None) -> tuple:
         if isinstance(var, Var) and var in known:
             return known[var]
         dims = []
-        for size in shape:
-            if size == 1:
+        for d, size in enumerate(shape):
+            if carries is not None and carries[d] is not None:
+                dims.append((carries[d],))
+            elif size == 1:
                 dims.append(())
             else:
                 factors.append(Factor(f"r{len(factors)}", size, FactorKind.NEED_REPLICATION))
@@ -258,9 +272,54 @@ def call_rule(params: dict, in_shapes, out_shapes) -> Rule:
         dims_for(v, s) for v, s in zip(inner.invars[n_ops:], in_shapes[n_ops:])
     )
     results = base.results + tuple(
-        dims_for(v, s) for v, s in zip(inner.outvars[n_ruled:], out_shapes[n_ruled:])
+        dims_for(v, out_shapes[j], carried.get(j))
+        for j, v in enumerate(inner.outvars[n_ruled:], n_ruled)
     )
     return Rule(tuple(factors), operands, results)
+
+
+def _probe(params: dict, base: Rule, n_ops: int, saved: list[int]):
+    """Which factor each dim of the saved values carries: ``({result: [factor or None per
+    dim]}, factors that must not be sharded)``. A body that captured values cannot be
+    traced again; it is lowered in place, and its saved values are planned replicated."""
+    avals = params["jaxpr"].in_avals
+    outs = params["jaxpr"].out_avals
+    if len(avals) != n_ops:  # such a call is lowered in place, where any layout is right
+        return {}, set()
+    carried = {j: [None] * len(outs[j].shape) for j in saved}
+    demoted = {i for i, f in enumerate(base.factors) if f.kind is FactorKind.REDUCTION}
+    for f, factor in enumerate(base.factors):
+        in_compound = any(
+            f in d and sum(base.factors[g].size > 1 for g in d) > 1
+            for t in base.operands + base.results
+            for d in t
+        )
+        if factor.kind is not FactorKind.PASS or factor.size == 1 or in_compound:
+            continue  # a factor sharing a dim is never split by the lowering
+        if factor.size % 2:
+            demoted.add(f)
+            continue
+        shapes = []
+        for dims, aval in zip(base.operands, avals):
+            shape = list(aval.shape)
+            for d, names in enumerate(dims):
+                if f in names:
+                    shape[d] //= 2  # f is the whole dim or leads it: splitting halves the dim
+            shapes.append(jax.ShapeDtypeStruct(tuple(shape), aval.dtype))
+        try:
+            probed = jax.tree_util.tree_leaves(jax.eval_shape(params["fn"], *shapes))
+        except Exception:  # noqa: BLE001 - the body cannot run on halves: never split f
+            demoted.add(f)
+            continue
+        for j in saved:
+            for d, (full, half) in enumerate(zip(outs[j].shape, probed[j].shape)):
+                if full == half:
+                    continue
+                if half * 2 == full and carried[j][d] is None:
+                    carried[j][d] = f
+                else:
+                    demoted.add(f)
+    return carried, demoted
 
 
 def to_sdy(rule: Rule) -> SdyShardingRule:
@@ -304,6 +363,15 @@ def partition_by_rule(rule: Rule, body: Callable) -> Callable:
     results are summed over the axes of sharded reduction factors.
     """
 
+    # a factor that shares a dim with another is never split: no spec splits a minor one
+    shared = {
+        f
+        for t in rule.operands + rule.results
+        for d in t
+        if sum(rule.factors[g].size > 1 for g in d) > 1
+        for f in d
+    }
+
     def partition(mesh, arg_shapes, result_shape):
         specs = [getattr(a.sharding, "spec", None) for a in arg_shapes]
         axes_of: dict[int, tuple[str, ...]] = {}
@@ -313,7 +381,9 @@ def partition_by_rule(rule: Rule, body: Callable) -> Callable:
                 entry = spec[d] if d < len(spec) else None
                 axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
                 lead = [f for f in factors if rule.factors[f].size > 1]
-                if not axes or len(lead) != 1 or lead[0] in axes_of or used & set(axes):
+                if not axes or len(lead) != 1 or lead[0] in axes_of or lead[0] in shared:
+                    continue
+                if used & set(axes):
                     continue
                 factor = rule.factors[lead[0]]
                 n = math.prod(mesh.shape[a] for a in axes)

@@ -172,3 +172,62 @@ def test_example_matches_unsharded(example_step):
 
 def test_example_kernel_rules_check():
     example.check_rules()
+
+
+def _attention_fwd(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", jnp.exp(s - lse[..., None]), v), lse
+
+
+@jax.custom_vjp
+def _attention(q, k, v):
+    return _attention_fwd(q, k, v)[0]
+
+
+def _attention_bwd(res, do):
+    q, k, v, o, lse = res
+    p = jnp.exp(jnp.einsum("bqhd,bkhd->bhqk", q, k) - lse[..., None])
+    dp = jnp.einsum("bqhd,bkhd->bhqk", do, v)
+    ds = p * (dp - jnp.einsum("bqhd,bqhd->bhq", do, o)[..., None])
+    dq, dk = jnp.einsum("bhqk,bkhd->bqhd", ds, k), jnp.einsum("bhqk,bqhd->bkhd", ds, q)
+    return dq, dk, jnp.einsum("bhqk,bqhd->bkhd", p, do)
+
+
+_attention.defvjp(
+    lambda q, k, v: (lambda o, lse: (o, (q, k, v, o, lse)))(*_attention_fwd(q, k, v)),
+    _attention_bwd,
+)
+
+
+def test_with_rule_saved_values_follow_the_factors_they_scale_with(mesh):
+    """Attention saving its log-sum-exp (b, h, q), a value that is neither an operand nor a
+    result: its dims are found by shape probing, so head-parallel attention stays local."""
+    flash = jaxshard.with_rule(
+        "b q h d, b k h d, b k h d -> b q h d", need_replication_factors=("k",)
+    )(_attention)
+
+    def step(p, x):
+        def loss(p):
+            q, k, v = (jnp.einsum("bsd,dhe->bshe", x, p[n]) for n in ("wq", "wk", "wv"))
+            return jnp.mean(jnp.einsum("bshe,hed->bsd", flash(q, k, v), p["wo"]) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(p)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), value
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    p = {n: jax.random.normal(k, (8, 4, 2)) * 0.3 for n, k in zip(("wq", "wk", "wv"), keys)}
+    p["wo"] = jax.random.normal(keys[3], (4, 2, 8)) * 0.3
+    x = jax.random.normal(keys[4], (2, 4, 8))
+    sharded = jaxshard.auto_shard(mesh, hints={"x": P("data"), "p/wq": P(None, "model")})(step)
+    plan = sharded.plan(p, x)
+    (forward,) = [
+        a for a in plan.graph.apps if a.eqn is not None and a.eqn.primitive.name == "with_rule"
+    ]
+    lse = plan.dims[forward.results[-1]]
+    assert lse == (("data",), ("model",), ()), lse
+    assert plan.in_specs[0]["wo"] == P("model")
+    (new_p, loss), (ref_p, ref_loss) = sharded(p, x), jax.jit(step)(p, x)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_leaves_match(new_p, ref_p)
+    assert plan.verify().ok
