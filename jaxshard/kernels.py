@@ -484,7 +484,7 @@ def with_rule(
     unchanged. Under `jax.grad` the function's own derivative is used (its custom VJP,
     if it has one); the rule covers the forward call, and the backward ops are planned
     by their own rules: wrap a backward kernel with `with_rule` too. Values saved for
-    the backward pass that are not an operand or a result are planned replicated.
+    the backward pass get their factors as `call_rule` says.
     Check a rule by execution with `check_rule`.
 
     Example:
@@ -503,7 +503,6 @@ def with_rule(
     def wrap(fn: Callable) -> Callable:
         name = getattr(fn, "__name__", type(fn).__name__)
         n_outs = lambda out_shape: len(jax.tree_util.tree_leaves(out_shape))  # noqa: E731
-        residual_tree: list[Any] = []
 
         def primal(*flat):
             return _bind(lambda *a: fn(*a), sdy, name, n_outs, flat)
@@ -511,16 +510,19 @@ def with_rule(
         call = jax.custom_vjp(primal)
 
         def fwd(*flat):
+            tree: list[Any] = []  # this call's pullback structure, found while tracing
+
             def with_residuals(*a):
                 out, vjp_fn = jax.vjp(fn, *a)
-                residuals, tree = jax.tree_util.tree_flatten(vjp_fn)
-                residual_tree[:] = [tree]
+                residuals, treedef = jax.tree_util.tree_flatten(vjp_fn)
+                tree[:] = [treedef]
                 return out, residuals
 
-            return _bind(with_residuals, sdy, name, lambda s: n_outs(s[0]), flat)
+            out, residuals = _bind(with_residuals, sdy, name, lambda s: n_outs(s[0]), flat)
+            # the pullback itself is the residual: a pytree of the saved arrays
+            return out, jax.tree_util.tree_unflatten(tree[0], residuals)
 
-        def bwd(residuals, cotangent):
-            vjp_fn = jax.tree_util.tree_unflatten(residual_tree[0], residuals)
+        def bwd(vjp_fn, cotangent):
             return tuple(vjp_fn(cotangent))
 
         call.defvjp(fwd, bwd)

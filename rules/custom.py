@@ -7,7 +7,7 @@ jaxshard rule, need-replication, reduction and compound factors included. Withou
 planner warns. A `with_rule` equation carries the user's rule for its first results;
 constants the body captured and values it saves for the backward pass are appended as
 operands and results: one that is a ruled operand or result keeps its factors, any other
-is planned replicated.
+gets factors by shape probing (`jaxshard.kernels.call_rule`).
 """
 
 from __future__ import annotations

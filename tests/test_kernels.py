@@ -117,6 +117,16 @@ def test_with_rule_runs_unchanged_and_keeps_its_custom_vjp():
     np.testing.assert_allclose(jax.jit(jax.vmap(wrapped))(x[None]), jnp.sin(x)[None])
 
 
+def test_with_rule_grad_of_calls_with_different_shapes():
+    """Each call keeps its own backward pass (two shapes in one differentiated function)."""
+    wrapped = jaxshard.with_rule("i j -> i j")(lambda x: jnp.sin(x) * x)
+    f = lambda a, b: wrapped(a).sum() + 2 * wrapped(b).sum()  # noqa: E731
+    plain = lambda a, b: (jnp.sin(a) * a).sum() + 2 * (jnp.sin(b) * b).sum()  # noqa: E731
+    a, b = jnp.linspace(0, 1, 8).reshape(2, 4), jnp.linspace(-1, 1, 18).reshape(3, 6)
+    for got, want in zip(jax.grad(f, (0, 1))(a, b), jax.grad(plain, (0, 1))(a, b)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_check_rule_accepts_a_right_rule():
     x, w = jnp.ones((4, 6)), jnp.ones((6, 8))
     assert jaxshard.check_rule(jnp.matmul, "i j, j k -> i k", x, w, reduction_factors=("j",)) == [
