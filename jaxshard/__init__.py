@@ -30,6 +30,8 @@ __all__ = [
 __version__ = "0.1.0"
 
 import jaxshard.rules  # noqa: E402, F401 - registers the rule catalogue with the engine
+from jaxshard.check import RuleCheckError, check_rule  # noqa: E402
 from jaxshard.flax_meta import flax_hints, logical_to_spec  # noqa: E402
+from jaxshard.kernels import with_rule  # noqa: E402
 
-__all__ += ["flax_hints", "logical_to_spec"]
+__all__ += ["RuleCheckError", "check_rule", "flax_hints", "logical_to_spec", "with_rule"]

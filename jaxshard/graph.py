@@ -293,6 +293,9 @@ def _build(
         rule = g.eqn_rules.get(id(eqn))  # an equation of a body called again: its rule
         if rule is None:
             rule = g.eqn_rules[id(eqn)] = _rule(g, rule_fn, eqn, enclosing)
+        if rule is None:  # the rule function found nothing to read (a kernel without a rule)
+            g.unknown.setdefault(primitive.name, source_line(eqn, enclosing))
+            continue
         g.apps.append(App(rule, tuple(operands), tuple(results), "eqn", eqn, enclosing))
         for i, written, param in written_shardings(eqn) if eqn.params else ():
             where = f"{primitive.name} at {source_line(eqn, enclosing)}"
@@ -311,7 +314,7 @@ def _pin_explicit(g: Graph, vid: int, spec, where: str, source: str, axis_sizes)
     g.pins[vid] = merge_pins(g.pins[vid], pin, g.value_name(vid)) if vid in g.pins else pin
 
 
-def _rule(g: Graph, rule_fn, eqn: JaxprEqn, enclosing: Where) -> Rule:
+def _rule(g: Graph, rule_fn, eqn: JaxprEqn, enclosing: Where) -> Rule | None:
     """The equation's rule, built and checked once per distinct (primitive, shapes,
     dtypes, params): repeated layers share one Rule object."""
     try:
@@ -329,6 +332,8 @@ def _rule(g: Graph, rule_fn, eqn: JaxprEqn, enclosing: Where) -> Rule:
     rule = g.rule_cache.get(key) if key is not None else None
     if rule is None:
         rule = rule_fn(eqn)
+        if rule is None:
+            return None
         shapes = shapes_of(eqn.invars), shapes_of(eqn.outvars)
         try:
             rule.check(*shapes, eqn.primitive.name)

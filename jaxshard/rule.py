@@ -273,7 +273,7 @@ class Region:
     index: int | None = None
 
 
-RuleFn = Callable[[JaxprEqn], Rule]
+RuleFn = Callable[[JaxprEqn], "Rule | None"]  # None: nothing to read, a boundary
 RegionFn = Callable[[JaxprEqn], list[Region]]
 # a boundary's fixed layouts: per operand and per result, a full PartitionSpec
 BoundaryFn = Callable[[JaxprEqn], tuple[list[Any], list[Any]]]

@@ -26,18 +26,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import jaxshard.rules  # noqa: F401 - registers the catalogue
 import numpy as np
 import pytest
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 from jax.extend.core import primitives as p
-from jax.sharding import AxisType, NamedSharding
-from jax.sharding import PartitionSpec as P
-from rule_samples import REFERENCE_SAMPLES, SAMPLES
+from kernel_samples import SAMPLES as KERNEL_SAMPLES
+from rule_samples import REFERENCE_SAMPLES
+from rule_samples import SAMPLES as RULE_SAMPLES
 
-from jaxshard.rule import _REGIONS, _RULES, FactorKind, Rule, rule_fn_for
-from jaxshard.verify import hlo_collectives
+from jaxshard.check import check_factor, two_device_mesh
+from jaxshard.check import checkable as _testable
+from jaxshard.rule import _REGIONS, _RULES, Rule, rule_fn_for
+
+SAMPLES = RULE_SAMPLES + KERNEL_SAMPLES
 
 # "case id" -> what is wrong with the rule; each is an xfail(strict=True), so fixing the
 # rule makes the case pass and the stale entry fail until it is removed here.
@@ -61,8 +63,6 @@ SCALAR_FLAG_COLLECTIVES = frozenset(
 )
 _FLAG_ALL_REDUCE = re.compile(r"=\s*pred\[\]\s+all-reduce(?:-start)?\(")
 
-AXIS = "x"
-TESTED_KINDS = (FactorKind.PASS, FactorKind.REDUCTION)
 # Call-like higher-order primitives whose inner jaxpr takes the operands positionally
 # (see rules/structure.py): their equations are walked as part of the sample.
 _CALLS = frozenset({p.jit_p, p.closed_call_p, p.remat_p, p.custom_jvp_call_p, p.custom_vjp_call_p})
@@ -139,19 +139,6 @@ class Case:
     error: str | None = None  # building the rule raised
 
 
-def _leads(dim: tuple[int, ...], f: int, rule: Rule) -> bool:
-    """Whether splitting this dim in 2 splits factor ``f``: every factor before it is 1."""
-    return f in dim and all(rule.factors[g].size == 1 for g in dim[: dim.index(f)])
-
-
-def _testable(rule: Rule, f: int) -> bool:
-    factor = rule.factors[f]
-    if factor.kind not in TESTED_KINDS or factor.size % 2:
-        return False
-    dims = [d for t in rule.operands + rule.results for d in t if f in d]
-    return bool(dims) and all(_leads(d, f, rule) for d in dims)
-
-
 def _eqn_key(eqn: JaxprEqn) -> tuple:
     ins = tuple((str(v.aval), repr(v.val) if isinstance(v, Literal) else None) for v in eqn.invars)
     return eqn.primitive.name, repr(sorted(eqn.params.items(), key=lambda kv: kv[0])), ins
@@ -215,30 +202,11 @@ CASES, COVERED = _collect()
 @pytest.fixture(scope="module")
 def mesh2():
     """Two devices on one Auto axis ``x``."""
-    return jax.make_mesh((2,), (AXIS,), axis_types=(AxisType.Auto,), devices=jax.devices()[:2])
+    return two_device_mesh()
 
 
-def _spec(dims: tuple[tuple[int, ...], ...], f: int, rule: Rule) -> P:
-    return P(*(AXIS if _leads(d, f, rule) else None for d in dims))
-
-
-def _plain(x) -> np.ndarray:
-    """A numpy array to compare: key data for keys, float64 for every float dtype."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    x = np.asarray(x)
-    return x.astype(np.float64) if "float" in x.dtype.name else x
-
-
-def _assert_same(actual, expected, what: str) -> None:
-    a, e = _plain(actual), _plain(expected)
-    assert a.shape == e.shape and actual.dtype == expected.dtype, (
-        f"{what}: sharded result is {actual.dtype}{a.shape}, unsharded {expected.dtype}{e.shape}"
-    )
-    if np.issubdtype(e.dtype, np.inexact):
-        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6, err_msg=what)
-    else:
-        np.testing.assert_array_equal(a, e, err_msg=what)
+def _flag_all_reduces(text: str) -> Counter:
+    return Counter({"all-reduce": len(_FLAG_ALL_REDUCE.findall(text))})
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -252,9 +220,9 @@ def test_rule_executes_sharded(case: Case, mesh2) -> None:
         [getattr(v.aval, "shape", ()) for v in eqn.outvars],
         eqn.primitive.name,
     )
+    # literals stay in the equation; the rest are the call's operands
     positions = [i for i, v in enumerate(eqn.invars) if not isinstance(v, Literal)]
-    in_shardings = tuple(NamedSharding(mesh2, _spec(rule.operands[i], f, rule)) for i in positions)
-    out_shardings = tuple(NamedSharding(mesh2, _spec(d, f, rule)) for d in rule.results)
+    ruled = Rule(rule.factors, tuple(rule.operands[i] for i in positions), rule.results)
 
     def run(*ops):
         vals = list(invals)
@@ -262,77 +230,9 @@ def test_rule_executes_sharded(case: Case, mesh2) -> None:
             vals[i] = op
         return tuple(bind(eqn, vals))
 
-    ops = [jax.device_put(invals[i], s) for i, s in zip(positions, in_shardings)]
-    jitted = jax.jit(run, in_shardings=in_shardings, out_shardings=out_shardings)
-    compiled = jitted.lower(*ops).compile()
-    actual = compiled(*ops)
-    factor = rule.factors[f]
-    where = f"{eqn.primitive.name} rule {rule}, factor {factor.name} ({factor.kind.value})"
-    assert len(actual) == len(expected), f"{where}: {len(actual)} results, expected {len(expected)}"
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        _assert_same(a, e, f"{where}: result {i} differs from the unsharded run")
-    if factor.kind is FactorKind.REDUCTION:
-        _check_declared_combination(case, invals, expected, positions, in_shardings, mesh2, where)
-    if factor.kind is FactorKind.PASS:
-        text = compiled.as_text()
-        collectives = hlo_collectives(text)
-        if eqn.primitive.name in SCALAR_FLAG_COLLECTIVES:
-            flags = len(_FLAG_ALL_REDUCE.findall(text))
-            collectives = collectives - Counter({"all-reduce": flags})
-        assert not collectives, (
-            f"{where}: communication-free factor produced a collective: {dict(collectives)}; "
-            f"in specs {[s.spec for s in in_shardings]}, out specs "
-            f"{[s.spec for s in out_shardings]}"
-        )
-
-
-_COMBINERS = {
-    "sum": lambda x: jax.lax.psum(x, AXIS),
-    "max": lambda x: jax.lax.pmax(x, AXIS),
-    "min": lambda x: jax.lax.pmin(x, AXIS),
-    "prod": lambda x: jnp.prod(jax.lax.all_gather(x, AXIS), axis=0),
-    "and": lambda x: jax.lax.pmin(x.astype(jnp.int32), AXIS).astype(x.dtype),
-    "or": lambda x: jax.lax.pmax(x.astype(jnp.int32), AXIS).astype(x.dtype),
-}
-
-
-def _check_declared_combination(
-    case, invals, expected, positions, in_shardings, mesh2, where
-) -> None:
-    """EasyDist's check: run the equation on each device's shards (shard_map), combine the
-    partial results the way the rule declares, and compare with the global result.
-
-    An operand without the reduced factor that has the result's shape (scatter-add's base)
-    is an addend every device holds; under a sum it must count once, so it is kept on
-    device 0 and zeroed elsewhere (a partial value).
-    """
-    eqn, rule, f = case.eqn, case.rule, case.factor
-    combine = rule.factors[f].combine
-
-    def local(*ops):
-        vals = list(invals)
-        first = jax.lax.axis_index(AXIS) == 0
-        for i, op in zip(positions, ops):
-            has_f = any(f in d for d in rule.operands[i])
-            addend = np.shape(op) == tuple(eqn.outvars[0].aval.shape) and np.ndim(op) > 0
-            if combine == "sum" and not has_f and addend:
-                op = jnp.where(first, op, jnp.zeros_like(op))
-            vals[i] = op
-        return tuple(_COMBINERS[combine](r) for r in bind(eqn, vals))
-
-    out_specs = tuple(P() for _ in rule.results)
-    in_specs = tuple(s.spec for s in in_shardings)
-    mapped = jax.shard_map(
-        local, mesh=mesh2, in_specs=in_specs, out_specs=out_specs, check_vma=False
-    )
-    ops = [jax.device_put(invals[i], s) for i, s in zip(positions, in_shardings)]
-    combined = jax.jit(mapped)(*ops)
-    for i, (a, e) in enumerate(zip(combined, expected)):
-        _assert_same(
-            a,
-            e,
-            f"{where}: combining per-device results by {combine} differs from the global result {i}",
-        )
+    tolerated = _flag_all_reduces if eqn.primitive.name in SCALAR_FLAG_COLLECTIVES else None
+    args = [invals[i] for i in positions]
+    check_factor(run, ruled, f, args, expected, mesh2, eqn.primitive.name, tolerated=tolerated)
 
 
 def test_every_rule_has_a_sample() -> None:
