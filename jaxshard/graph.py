@@ -283,18 +283,16 @@ def _build(
                 g, eqn, boundary_fn(eqn), operands, results, source_line(eqn, enclosing), axis_sizes
             )
             continue
-        if rule_fn is None:
-            if primitive.name not in g.unknown:
-                g.unknown[primitive.name] = source_line(eqn, enclosing)
+        rule = None
+        if rule_fn is not None:
+            rule = g.eqn_rules.get(id(eqn))  # an equation of a body called again: its rule
+            if rule is None:
+                rule = g.eqn_rules[id(eqn)] = _rule(g, rule_fn, eqn, enclosing)
+        if rule is None:  # no rule function, or it found nothing to read (a kernel)
+            g.unknown.setdefault(primitive.name, source_line(eqn, enclosing))
             ins, outs = g.cut.setdefault(primitive.name, ([], []))
             ins.extend(operands)
             outs.extend(results)
-            continue
-        rule = g.eqn_rules.get(id(eqn))  # an equation of a body called again: its rule
-        if rule is None:
-            rule = g.eqn_rules[id(eqn)] = _rule(g, rule_fn, eqn, enclosing)
-        if rule is None:  # the rule function found nothing to read (a kernel without a rule)
-            g.unknown.setdefault(primitive.name, source_line(eqn, enclosing))
             continue
         g.apps.append(App(rule, tuple(operands), tuple(results), "eqn", eqn, enclosing))
         for i, written, param in written_shardings(eqn) if eqn.params else ():

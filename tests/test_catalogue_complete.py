@@ -50,9 +50,10 @@ INTERNAL = """
 # Shape polymorphism and `jax.export`: symbolic dims, not arrays to shard.
 EXPORT = ["call_exported", "dim_as_value", "dimension_size", "shape_assertion"]
 # Foreign or opaque code jaxshard cannot see into: the unknown-primitive boundary (a
-# warning naming what stays unsharded) is the honest treatment.
+# warning naming what stays unsharded) is the honest treatment; `jaxshard.with_rule`
+# gives such a call a rule.
 OPAQUE = """
-    buffer_callback check compute_on core_map cudnn_fusion custom_partitioning ffi_call
+    buffer_callback check compute_on core_map cudnn_fusion ffi_call
     inspect_sharding io_callback pallas_call pure_callback shard_alike tpu_custom_call
     xla_metadata_value
 """.split()
