@@ -563,13 +563,13 @@ class Propagator:
                 values[f] = ()
         writable = self._struct[a][2]
         changed = bool(self._struct[a][1])
-        while changed:
+        while changed:  # a drop in one compound dim can make another one inexact
             changed = False
             for _, _, fl, sizes in writable:
                 if len(fl) > 1:
                     _, exact = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
                     if not exact:
-                        changed = self._drop_unexpressible(values, fl, sizes)
+                        changed |= self._drop_unexpressible(values, fl, sizes)
         vids = self._vids[a]
         out = []
         for t, d, fl, sizes in writable:

@@ -147,3 +147,23 @@ def test_explain_lists_intermediates_on_request(mesh):
     assert "tanh at" not in plan.explain()
     text = plan.explain(intermediates=True)
     assert "= tanh at" in text and "test_propagation.py" in text and "P('data', 'model')" in text
+
+
+@pytest.mark.parametrize(
+    "x_spec, want_src",
+    [
+        # only the first compound result dim (2*4) needs its minor factor dropped
+        (P(None, "model"), ((), ("model",), (), ())),
+        # the first needs a drop, the second (2*12) does too
+        (P(None, "model", None, "data"), ((), ("model",), (), ("data",))),
+    ],
+    ids=["first-dim-only", "both-dims"],
+)
+def test_reshape_works_in_an_expressible_layout_for_every_compound_dim(mesh, x_spec, want_src):
+    # (2, 4, 2, 12) -> (8, 24): result dims [a*b] and [c*d]; a sharded minor factor under
+    # an unsharded major one cannot be expressed, so the reshape works on a gathered input.
+    x = jax.ShapeDtypeStruct((2, 4, 2, 12), jnp.float32)
+    plan = make_plan(lambda x: x.reshape(8, 24), (x,), {}, mesh, {"x": x_spec})
+    assert plan.in_specs == (x_spec,)
+    (reshard,) = plan.reshards
+    assert (reshard.vid, reshard.src, reshard.dst) == (plan.graph.in_vids[0], want_src, ((),) * 4)
