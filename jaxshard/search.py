@@ -854,7 +854,10 @@ class _Problem:
             if result is None:
                 if model.status == highspy.HighsModelStatus.kInfeasible:
                     points = sorted(rows_added)
-                    raise _Infeasible([_smallest_memory(self, points, e) for e in (False, True)])
+                    deadline = t0 + time_limit
+                    raise _Infeasible(
+                        [_smallest_memory(self, points, e, deadline) for e in (False, True)]
+                    )
                 return self._baseline(), False, f"no layout found in time ({model.status_text})"
             choice, is_optimal = result
             optimal &= is_optimal
@@ -1095,10 +1098,13 @@ class _Model:
         return choice, self.status == hs.HighsModelStatus.kOptimal
 
 
-def _smallest_memory(problem: _Problem, points: list[int], extras: bool) -> dict[int, int]:
+def _smallest_memory(
+    problem: _Problem, points: list[int], extras: bool, deadline: float
+) -> dict[int, int]:
     """The layout of least estimated per-device memory, ignoring communication: the
     largest memory over the equations in ``points`` (and each layout's own peak, added
-    as found) is minimized. ``extras``: whether groups may store extra axes."""
+    as found) is minimized. ``extras``: whether groups may store extra axes. The solver
+    stops at ``deadline`` (a `time.perf_counter` time) with the best layout found so far."""
     model = _Model(problem)
     model.allow_extras(range(problem.n_class_decisions, len(problem.decisions)), extras)
     hs, h = model.highspy, model.h
@@ -1116,7 +1122,10 @@ def _smallest_memory(problem: _Problem, points: list[int], extras: bool) -> dict
         bound(t)
     choice = problem._baseline()
     for _ in range(8):
-        found = model.run(10.0, None)
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            break
+        found = model.run(left, None)
         if found is None:
             break
         choice = found[0]

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import jaxshard
 from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes
 from jaxshard.plan import _dead_apps
+from jaxshard import search
 from jaxshard.search import group_key, search_hints
 from jaxshard.trace import arg_names
 
@@ -147,6 +148,22 @@ def test_budget_no_layout_meets_names_the_smallest_footprint(gpt, mesh):
     smallest = int(re.search(r"\((\d+) bytes\) per device", str(info.value)).group(1))
     assert smallest > 64 * 1024
     assert "budget of 64.00 KiB per device" in str(info.value)
+
+
+def test_an_unmeetable_budget_stays_within_the_time_limit(gpt, mesh, monkeypatch):
+    # the smallest-footprint search after an infeasible budget shares the user's limit
+    step, args = gpt
+    limits = []
+    run = search._Model.run
+
+    def spy(self, time_limit, say):
+        limits.append(time_limit)
+        return run(self, time_limit, say)
+
+    monkeypatch.setattr(search._Model, "run", spy)
+    with pytest.raises(jaxshard.ShardingError, match="smallest footprint"):
+        search_hints(step, args, {}, mesh, BATCH, memory_budget=64 * 1024, time_limit=2.0)
+    assert len(limits) > 1 and max(limits) <= 2.0
 
 
 def test_time_limit_returns_best_found_and_says_so(gpt, mesh):
