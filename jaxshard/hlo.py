@@ -24,15 +24,37 @@ import numpy as np
 KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
 _INSTRUCTION = re.compile(r"=\s*[^=]*?\b(" + "|".join(KINDS) + r")(?:-start)?\(")
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s+(" + "|".join(KINDS) + r")(-start)?\((.*)$")
-_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64|c64|c128)\[([\d,]*)\]")
-_BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32,
-         "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128}  # fmt: skip
+# Bytes per element of each HLO element type. Sub-byte types (s2/s4/u4, fp4) occupy a byte
+# each in XLA's buffers (ShapeUtil::ByteSizeOfPrimitiveType), so a byte is what moves.
+DTYPE_BYTES = {
+    "pred": 1, "s1": 1, "u1": 1, "s2": 1, "u2": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1,
+    "f4e2m1fn": 1, "f8e3m4": 1, "f8e4m3": 1, "f8e4m3fn": 1, "f8e4m3b11fnuz": 1,
+    "f8e4m3fnuz": 1, "f8e5m2": 1, "f8e5m2fnuz": 1, "f8e8m0fnu": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _CALLS = re.compile(
     r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)"
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+def shape_bytes(type_text: str) -> list[int]:
+    """Bytes of each array in an HLO type (a tuple type gives one entry per element;
+    tokens and other non-array types give none).
+
+    Example:
+        >>> shape_bytes("(f32[8,16]{1,0}, bf16[4]{0}, f8e4m3fn[8]{0})")
+        [512, 8, 8]
+    """
+    return [
+        math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
+        for dtype, dims in _ARRAY.findall(type_text)
+        if dtype in DTYPE_BYTES
+    ]
 
 
 def hlo_collectives(hlo_text: str) -> Counter:
@@ -312,12 +334,10 @@ def compiled_collectives(hlo_text: str, mesh) -> list[Collective]:
             groups = _parse_groups(rest, n)
             axes = _groups_to_axes(groups, mesh) if groups else frozenset({"?"})
             size = len(next(iter(groups), [])) if groups else 0
-            shapes = _SHAPE.findall(result)
+            sizes = shape_bytes(result)
             if start and kind == "all-gather":
-                shapes = shapes[len(shapes) // 2 :]  # -start returns (operands, results)
+                sizes = sizes[len(sizes) // 2 :]  # -start returns (operands, results)
             elif start and kind == "collective-permute":
-                shapes = shapes[:1]
-            for dtype, dims in shapes:
-                local = math.prod(int(d) for d in dims.split(",") if d) * _BITS[dtype] // 8
-                out.append(Collective(kind, axes, local, size, times))
+                sizes = sizes[:1]
+            out.extend(Collective(kind, axes, local, size, times) for local in sizes)
     return out

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jaxshard
 import jaxshard.lower
 from jaxshard.explain import explain_plan
-from jaxshard.hlo import _groups_to_axes, _parse_groups, computation_runs
+from jaxshard.hlo import DTYPE_BYTES, _groups_to_axes, _parse_groups, computation_runs
 from jaxshard.verify import Collective, _match, compiled_collectives, verify
 
 GPT_HINTS = {
@@ -305,3 +305,16 @@ def test_collectives_of_a_tuple_all_reduce_count_each_operand(mesh):
         Collective("all-reduce", frozenset({"data"}), 256),
         Collective("all-reduce", frozenset({"data"}), 32),
     ]
+
+
+@pytest.mark.parametrize("dtype", ["f8e4m3fn", "f8e5m2", "s4", "u4", "bf16"])
+def test_collectives_of_narrow_dtypes_are_counted(mesh, dtype):
+    # fp8 and int4 collectives (quantized training) must be seen and sized like any other
+    text = (
+        f"  %ag = {dtype}[64]{{0}} all-gather({dtype}[32]{{0}} %x), "
+        "replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}"
+    )
+    (found,) = compiled_collectives(text, mesh)
+    assert (found.kind, found.axes, found.bytes) == (
+        "all-gather", frozenset({"data"}), 64 * DTYPE_BYTES[dtype]
+    )
