@@ -17,9 +17,9 @@ from helpers import assert_leaves_match
 from jax.sharding import PartitionSpec as P
 
 import jaxshard
+from jaxshard import search
 from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes
 from jaxshard.plan import _dead_apps
-from jaxshard import search
 from jaxshard.search import group_key, search_hints
 from jaxshard.trace import arg_names
 
