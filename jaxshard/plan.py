@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,21 +93,33 @@ class Plan:
     arguments ``(args, kwargs)``... see `in_specs`), ``reshards``, ``conflicts``.
     """
 
-    def __init__(self, traced: Traced, graph: Graph, prop: Propagator, mesh: Mesh):
+    def __init__(
+        self,
+        traced: Traced,
+        graph: Graph,
+        prop: Propagator,
+        mesh: Mesh,
+        out_dims: Sequence[tuple[DimSharding, ...]] | None = None,
+    ):
+        # the layouts are copied into tuples: the propagator may go on, the plan may not
         self.traced, self.graph, self.mesh = traced, graph, mesh
         self.axis_sizes = mesh_axis_sizes(mesh)
-        self.dims: list[tuple[DimSharding, ...]] = [tuple(d) for d in prop.state.dims]
-        self.origins: list[list[Origin | None]] = prop.state.origins
+        self.dims: tuple[tuple[DimSharding, ...], ...] = tuple(tuple(d) for d in prop.state.dims)
+        self.origins: tuple[tuple[Origin | None, ...], ...] = tuple(
+            tuple(o) for o in prop.state.origins
+        )
         self.conflicts: list[Conflict] = list(prop.state.conflicts.values())
         self.visits = prop.state.visits
         self.partial: dict[int, frozenset[str]] = {}
         self.reshards: list[Reshard] = []
         self._runs, self._in_while = executions(graph), in_while_loop(graph)
         self._analyze(prop)
-        self.out_dims = [self.dims[v] for v in graph.out_vids]
-        for i, o in graph.ties:  # the new value of an argument keeps its layout...
-            if graph.out_vids[o] not in prop.hinted:  # ...unless the user pinned the result
-                self.out_dims[o] = self.dims[graph.in_vids[i]]
+        if out_dims is None:
+            out_dims = [self.dims[v] for v in graph.out_vids]
+            for i, o in graph.ties:  # the new value of an argument keeps its layout...
+                if graph.out_vids[o] not in prop.hinted:  # ...unless the user pinned the result
+                    out_dims[o] = self.dims[graph.in_vids[i]]
+        self.out_dims: tuple[tuple[DimSharding, ...], ...] = tuple(out_dims)
 
     def _analyze(self, prop: Propagator) -> None:
         g = self.graph
@@ -497,9 +509,8 @@ def _replan(traced: Traced, graph: Graph, mesh: Mesh, saved: SavedPlan) -> Plan:
     prop = Propagator(graph, mesh_axis_sizes(mesh))
     for vid, dims in enumerate(saved.record["dims"]):
         prop.pin(vid, Pin(_dims_from_json(dims), "saved plan"))
-    plan = Plan(traced, graph, prop, mesh)
-    plan.out_dims = [_dims_from_json(d) for d in saved.record["out_dims"]]
-    return plan
+    out_dims = [_dims_from_json(d) for d in saved.record["out_dims"]]
+    return Plan(traced, graph, prop, mesh, out_dims)
 
 
 @contextlib.contextmanager

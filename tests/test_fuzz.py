@@ -234,7 +234,7 @@ def test_propagating_again_changes_nothing(case):
     prop.state.origins = [list(o) for o in plan.origins]
     prop._enqueue(range(len(plan.graph.apps)))
     prop.run()
-    assert [tuple(d) for d in prop.state.dims] == plan.dims
+    assert tuple(tuple(d) for d in prop.state.dims) == plan.dims
     assert prop.state.visits <= len(plan.graph.apps)  # one round, nothing re-queued
 
 

@@ -106,7 +106,8 @@ def test_planted_surprise_is_caught(mesh):
         for a in plan.graph.apps
         if a.eqn is not None and a.eqn.primitive.name == "tanh"
     )
-    plan.dims[tanh_in] = ((), ("data",))  # plant: the matmul result moved to another layout
+    # plant: the matmul result moved to another layout, behind the plan's back
+    plan.dims = (*plan.dims[:tanh_in], ((), ("data",)), *plan.dims[tanh_in + 1 :])
     plan.graph.pins[tanh_in] = None  # make the lowering pin it
     result = verify(plan)
     assert not result.ok
