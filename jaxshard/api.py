@@ -116,7 +116,7 @@ class AutoShard:
         _check_search_options(search, memory_budget, cost_model, search_time_limit, plan)
         self.search, self.memory_budget = search, memory_budget
         self.cost_model, self.search_time_limit = cost_model, search_time_limit
-        self.search_result: SearchResult | None = None
+        self._latest: Plan | None = None  # the plan made last, for `search_result`
         try:
             self._signature: inspect.Signature | None = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -217,12 +217,13 @@ class AutoShard:
                 time_limit=self.search_time_limit,
                 cost_model=self.cost_model,
             )
-            self.search_result, plan = result, result.plan
+            plan = result.plan
         else:
             plan = make_plan(
                 fn, dyn_args, dyn_kwargs, self.mesh, hints, self.saved_plan, self.cost_model
             )
         self.plans_made += 1
+        self._latest = plan
         donated = set()
         paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
         for k, path in enumerate(paths):
@@ -259,6 +260,16 @@ class AutoShard:
         return hints
 
     # --- the public surface -----------------------------------------------------------
+
+    @property
+    def search_result(self) -> SearchResult | None:
+        """The search of the plan made last (None before it or without ``search=True``);
+        each call signature's own is ``step.plan(*args).search_result``.
+
+        Example:
+            >>> print(step.search_result)  # doctest: +SKIP
+        """
+        return None if self._latest is None else self._latest.search_result
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or `jax.ShapeDtypeStruct`s); cached, so
@@ -465,7 +476,8 @@ def auto_shard(
     latency), with per-device memory at most ``memory_budget`` bytes when given (a budget
     no layout meets is an error naming the smallest footprint). The search stops after
     ``search_time_limit`` seconds with the best layout found and a warning; long searches
-    print progress to stderr. The wrapper's ``search_result`` explains the last search.
+    print progress to stderr. Each plan's ``search_result`` explains its search (the
+    wrapper's ``search_result`` is the latest plan's).
     Without search, ``cost_model`` still prices propagation's conflicts.
 
     Example:

@@ -90,7 +90,9 @@ class Plan:
     """A complete sharding plan for one function and one set of argument shapes.
 
     Attributes: ``in_specs``/``out_specs`` (pytrees of PartitionSpec shaped like the
-    arguments ``(args, kwargs)``... see `in_specs`), ``reshards``, ``conflicts``.
+    arguments ``(args, kwargs)``... see `in_specs`), ``reshards``, ``conflicts``, and
+    ``search_result``: the `jaxshard.search.SearchResult` of the search that chose this
+    plan's layouts (None for a plan made from hints alone).
     """
 
     def __init__(
@@ -110,6 +112,7 @@ class Plan:
         )
         self.conflicts: list[Conflict] = list(prop.state.conflicts.values())
         self.visits = prop.state.visits
+        self.search_result: Any = None  # set by search_hints before it returns the plan
         self.partial: dict[int, frozenset[str]] = {}
         self.reshards: list[Reshard] = []
         self._runs, self._in_while = executions(graph), in_while_loop(graph)

@@ -249,10 +249,12 @@ def search_hints(
         )
     est_time, est_bytes = problem.comm(choice)
     text = problem.explain(choice, plan, memory, optimal, status, seconds)
-    return SearchResult(
+    result = SearchResult(
         problem.hints_for(choice), step_bytes(plan), memory.total, seconds, optimal, text,
         est_bytes, est_time / _US, memory, plan,
     )  # fmt: skip
+    plan.search_result = result
+    return result
 
 
 class _LateProgress:

@@ -245,6 +245,16 @@ def test_auto_shard_search_plans_and_runs_like_unsharded(mesh):
     assert step.plans_made == 1  # the search runs once per call signature
 
 
+def test_each_call_signature_keeps_its_own_search_result(mesh):
+    params, x = _mlp_data()
+    step = jaxshard.auto_shard(mesh, {"x": P("data")}, search=True)(jax.grad(_mlp))
+    small = step.plan(params, x)
+    large = step.plan(params, jnp.concatenate([x, x]))
+    assert small.search_result.plan is small and large.search_result.plan is large
+    assert step.search_result is large.search_result  # the wrapper's: the latest plan's
+    assert step.plan(params, x).search_result is small.search_result  # cached, unchanged
+
+
 def test_auto_shard_memory_budget_is_honoured_or_names_the_smallest_footprint(gpt, mesh):
     step, args = gpt
     with pytest.raises(
