@@ -1074,11 +1074,9 @@ class _Model:
         idx = np.array(list(coef), dtype=np.int32)
         val = np.array(list(coef.values()))
         self.h.addRow(-self.highspy.kHighsInf, float(budget - total), len(idx), idx, val)
-        self.rows = getattr(self, "rows", []) + [(const, rows)]
 
     def allow_extras(self, decisions, allowed: bool) -> None:
         """Allow or forbid every non-None candidate of the extra-axis ``decisions``."""
-        self.extras_allowed = allowed
         cols = np.array([c for d in decisions for c in self.x[d][1:]], dtype=np.int32)
         if len(cols):
             upper = np.ones(len(cols)) if allowed else np.zeros(len(cols))
