@@ -20,6 +20,20 @@ import numpy as np
 from jaxshard.lattice import DimSharding
 
 
+def human_bytes(n: float, digits: int = 1) -> str:
+    """Bytes with a binary unit (whole bytes below 1 KiB, ``digits`` decimals above).
+
+    Example:
+        >>> human_bytes(1536), human_bytes(12), human_bytes(3 * 2**30), human_bytes(2**16, 2)
+        ('1.5 KiB', '12 B', '3.0 GiB', '64.00 KiB')
+    """
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.{digits}f} {unit}"
+        n /= 1024
+    return f"{n:.{digits}f} GiB"
+
+
 def nbytes(shape: Sequence[int], dtype) -> int:
     """Global bytes of an array.
 

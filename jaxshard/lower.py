@@ -100,6 +100,7 @@ class Lowered:
             inline=False,
             compiler_options_kvs=(),
         )
+
         def program(*flat):
             return tuple(jit_p.bind(*flat, **params))
 

@@ -47,6 +47,7 @@ from jaxshard.cost import (
     Liveness,
     MemoryEstimate,
     executions,
+    human_bytes,
     liveness,
     memory_estimate,
     nbytes,
@@ -228,16 +229,16 @@ def search_hints(
                 status = "the smallest-memory layout: the model put every layout over budget"
                 break
             plan, memory = propagated(choice)
-            say(f"propagated: {step_bytes(plan) / 2**20:.1f} MiB of collectives, "
-                f"{memory.total / 2**20:.1f} MiB of memory per device "
+            say(f"propagated: {human_bytes(step_bytes(plan))} of collectives, "
+                f"{human_bytes(memory.total)} of memory per device "
                 f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
             if memory_budget is None or memory.total <= memory_budget or not optimal:
                 break
             modeled = problem.memory(choice).total
             problem.budget *= min(modeled / memory.total, 0.999)
-            say(f"propagation needs {memory.total / 2**20:.1f} MiB, the model said "
-                f"{modeled / 2**20:.1f} MiB: searching again within "
-                f"{problem.budget / 2**20:.1f} MiB")  # fmt: skip
+            say(f"propagation needs {human_bytes(memory.total)}, the model said "
+                f"{human_bytes(modeled)}: searching again within "
+                f"{human_bytes(problem.budget)}")  # fmt: skip
         else:
             memory, plan, choice = min(tried, key=lambda t: t[0].total)
             _raise_over_budget(problem, memory_budget, memory, plan)
@@ -286,26 +287,17 @@ def _raise_over_budget(problem, budget, memory: MemoryEstimate, plan: Plan) -> N
     after propagation) and its layout."""
     specs = jax.tree.leaves(plan.in_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     shown = [f"{n}: {s}" for n, s in zip(problem.traced.in_names, specs) if tuple(s)]
+    size = lambda n: human_bytes(n, 2)  # noqa: E731
     raise ShardingError(
-        f"no layout fits the memory budget of {_size(budget)} per device: the smallest "
-        f"footprint jaxshard finds on this mesh is {_size(memory.total)} "
-        f"({memory.total} bytes) per device (arguments {_size(memory.arguments)}, results "
-        f"{_size(memory.results)}, peak activations {_size(memory.activations)}; estimated "
+        f"no layout fits the memory budget of {size(budget)} per device: the smallest "
+        f"footprint jaxshard finds on this mesh is {size(memory.total)} ({memory.total} bytes) "
+        f"per device (arguments {size(memory.arguments)}, results {size(memory.results)}, "
+        f"peak activations {size(memory.activations)}; estimated "
         "by jaxshard.cost.memory_estimate), with "
         + ", ".join(shown[:6])
         + (", ..." if len(shown) > 6 else "")
         + ". Raise the budget to at least that, use a larger mesh, or shrink the batch."
     ) from None
-
-
-def _size(n: float) -> str:
-    """Bytes as MiB (KiB below 1 MiB), three significant digits or more.
-
-    Example:
-        >>> _size(3 * 2**20), _size(1536), _size(1234.5 * 2**20)
-        ('3.00 MiB', '1.50 KiB', '1234.50 MiB')
-    """
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.2f} KiB"
 
 
 def group_key(path: str) -> str:
@@ -871,7 +863,7 @@ class _Problem:
             memory = self.memory(choice)
             if memory.total <= self.budget * (1 + 1e-9) or memory.peak_app in rows_added:
                 break
-            say(f"layout needs {memory.total / 2**20:.1f} MiB at equation {memory.peak_app}: "
+            say(f"layout needs {human_bytes(memory.total)} at equation {memory.peak_app}: "
                 "adding that memory constraint")  # fmt: skip
             model.add_memory_row(*self._activation_row(memory.peak_app), self.static, self.budget)
             rows_added.add(memory.peak_app)

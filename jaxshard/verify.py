@@ -23,7 +23,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 
-from jaxshard.cost import nbytes, shards
+from jaxshard.cost import human_bytes, nbytes, shards
 from jaxshard.hlo import (  # noqa: F401  (hlo_collectives and computation_runs: re-exported)
     Collective,
     compiled_collectives,
@@ -84,8 +84,6 @@ class Verification:
         return not self.surprises
 
     def __str__(self) -> str:
-        from jaxshard.explain import human_bytes
-
         def side(cs: list[Collective], b: float) -> str:
             runs, unknown = _runs_total(cs)
             more = f" + {unknown} in loops of unknown trip count" if unknown else ""
