@@ -28,6 +28,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from jaxshard.cost import ring_bytes
 from jaxshard.hlo import (  # one parser of computations, loops and HLO types
     _computations,
     _trip_count,
@@ -53,13 +54,9 @@ class Collective:
     @property
     def ring_bytes(self) -> float:
         n, s = self.group_size, self.result_bytes
-        if self.kind == "collective-permute" or not n:
+        if not n:  # an unreadable group: count the whole buffer
             return float(s)
-        if self.kind == "all-reduce":
-            return 2 * (n - 1) / n * s
-        if self.kind == "reduce-scatter":
-            return float((n - 1) * s)
-        return (n - 1) / n * s  # all-gather (S is the gathered result), all-to-all
+        return ring_bytes(self.kind, n, n * s if self.kind == "reduce-scatter" else s)
 
 
 @dataclass

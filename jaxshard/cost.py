@@ -64,6 +64,22 @@ def per_device_bytes(shape, dtype, dims, axis_sizes) -> int:
     return nbytes(shape, dtype) // shards(dims, axis_sizes)
 
 
+def ring_bytes(kind: str, n: int, local: float) -> float:
+    """Bytes one device sends for one collective over a group of ``n`` devices with ring
+    algorithms: ``2(n-1)/n`` of the buffer for an all-reduce, ``(n-1)/n`` for the others.
+    ``local`` is the per-device buffer: the all-reduced one, the all-gathered result, the
+    reduce-scattered input, the all-to-all buffer; a collective-permute sends it whole.
+
+    Example:
+        >>> ring_bytes("all-reduce", 4, 1024), ring_bytes("all-gather", 4, 1024)
+        (1536.0, 768.0)
+    """
+    if kind == "collective-permute":
+        return float(local)
+    share = (n - 1) / n * local
+    return 2 * share if kind == "all-reduce" else share
+
+
 def reshard_cost(
     shape: Sequence[int],
     dtype,
@@ -121,13 +137,12 @@ def reshard_collectives(
     reduced = sorted(a for a in partial if a not in where_dst)
     if reduced:
         n = math.prod(axis_sizes[a] for a in reduced)
-        out.append(("all-reduce", tuple(reduced), 2 * (n - 1) / n * local_src))
+        out.append(("all-reduce", tuple(reduced), ring_bytes("all-reduce", n, local_src)))
     if scattered:  # the input is whole along the scattered axes, whatever ``src`` says
         n = math.prod(axis_sizes[a] for a in scattered)
         whole = [tuple(a for a in d if a not in scattered) for d in src]
-        out.append(
-            ("reduce-scatter", tuple(scattered), (n - 1) / n * total / shards(whole, axis_sizes))
-        )
+        volume = ring_bytes("reduce-scatter", n, total / shards(whole, axis_sizes))
+        out.append(("reduce-scatter", tuple(scattered), volume))
     moved = sorted(
         a
         for a, i in where_src.items()
@@ -135,11 +150,11 @@ def reshard_collectives(
     )
     if moved:
         n = math.prod(axis_sizes[a] for a in moved)
-        out.append(("all-to-all", tuple(moved), (n - 1) / n * local_dst))
+        out.append(("all-to-all", tuple(moved), ring_bytes("all-to-all", n, local_dst)))
     removed = sorted(a for a in where_src if a not in where_dst)
     if removed:
         n = math.prod(axis_sizes[a] for a in removed)
-        out.append(("all-gather", tuple(removed), (n - 1) / n * local_dst))
+        out.append(("all-gather", tuple(removed), ring_bytes("all-gather", n, local_dst)))
     return out
 
 

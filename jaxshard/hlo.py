@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxshard.cost import ring_bytes
+
 KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
 _INSTRUCTION = re.compile(r"=\s*[^=]*?\b(" + "|".join(KINDS) + r")(?:-start)?\(")
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s+(" + "|".join(KINDS) + r")(-start)?\((.*)$")
@@ -92,15 +94,9 @@ class Collective:
         all-reduce 2(n-1)/n·S, all-gather and all-to-all (n-1)/n·S, reduce-scatter (n-1)·S
         (S its scattered result), collective-permute S; 0 for a group of one."""
         n, s = self.group, self.bytes
-        if self.kind == "collective-permute":
-            return float(s)
-        if n <= 1:
+        if n <= 1 and self.kind != "collective-permute":
             return 0.0
-        if self.kind == "all-reduce":
-            return 2 * (n - 1) / n * s
-        if self.kind == "reduce-scatter":
-            return float((n - 1) * s)
-        return (n - 1) / n * s
+        return ring_bytes(self.kind, n, n * s if self.kind == "reduce-scatter" else s)
 
     def __str__(self) -> str:
         runs = (

@@ -52,6 +52,7 @@ from jaxshard.cost import (
     memory_estimate,
     nbytes,
     reshard_collectives,
+    ring_bytes,
     step_bytes,
 )
 from jaxshard.errors import JaxshardBug, ShardingError, warn
@@ -774,7 +775,7 @@ class _Problem:
                     local = self._leaf_bytes(i) / (2 if i in self.tied else 1) / shards
                     if extra[2] == "all":
                         local *= n_axis
-                    b = (n_axis - 1) / n_axis * local
+                    b = ring_bytes("all-gather", n_axis, local)
                     term.bytes[n] += gathers * b
                     term.time[n] += gathers * _US * self.cost_model.collective_time((extra[1],), b)
 
