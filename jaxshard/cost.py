@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxshard.graph import find_root
 from jaxshard.lattice import DimSharding
 
 
@@ -353,22 +354,15 @@ def liveness(graph, skip: Iterable[int] = ()) -> Liveness:
     """
     n = len(graph.shapes)
     parent = list(range(n))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
     skip = set(skip)
     for app in graph.apps:
         if app.kind == "link" and len(app.operands) == 1 and len(app.results) == 1:
             o, r = app.operands[0], app.results[0]
             if graph.shapes[o] == graph.shapes[r] and _is_identity(app.rule):
-                ro, rr = find(o), find(r)
+                ro, rr = find_root(parent, o), find_root(parent, r)
                 if ro != rr:
                     parent[rr] = ro
-    owner = [find(v) for v in range(n)]
+    owner = [find_root(parent, v) for v in range(n)]
     big = len(graph.apps) + 1
     start = np.full(n, big, dtype=np.int64)
     end = np.full(n, -1, dtype=np.int64)

@@ -462,14 +462,43 @@ def make_plan(
     (`jaxshard.cost.CostModel`) prices conflicts in time over the mesh axes instead of
     bytes moved.
     """
-    sizes = mesh_axis_sizes(mesh)
-    with jax.set_mesh(auto_view(mesh)):  # trace as the lowered program will replay it
-        traced = trace(fn, args, kwargs)
+    traced, graph = trace_graph(fn, args, kwargs, mesh)
     with _gc_paused():
-        graph = build_graph(traced, sizes)
         if saved is not None:
             return _replan(traced, graph, mesh, saved)
         return plan_from_graph(traced, graph, mesh, hints, cost_model)
+
+
+def trace_graph(fn: Callable, args: tuple, kwargs: dict, mesh: Mesh) -> tuple[Traced, Graph]:
+    """Trace ``fn(*args, **kwargs)`` on ``mesh``'s Auto view (as the lowered program will
+    replay it) and build its graph: the first stages of every plan and search.
+
+    Example:
+        >>> traced, graph = trace_graph(lambda x: x * 2, (jnp.ones(4),), {}, mesh)  # doctest: +SKIP
+    """
+    with jax.set_mesh(auto_view(mesh)):
+        traced = trace(fn, args, kwargs)
+    with _gc_paused():
+        return traced, build_graph(traced, mesh_axis_sizes(mesh))
+
+
+def hint_pins(
+    traced: Traced, graph: Graph, hints: Mapping[str, PartitionSpec], axis_sizes: Mapping[str, int]
+) -> dict[int, Pin]:
+    """Per value id, what is pinned: the graph's own pins (`jaxshard.hint` and sharding
+    constraints inside the function) merged with the ``hints`` matched on argument and
+    result paths; two pins of one dim that disagree are an error naming both.
+
+    Example:
+        >>> pins = hint_pins(traced, graph, {"x": P("data")}, {"data": 2})  # doctest: +SKIP
+    """
+    names = list(traced.in_names) + list(traced.out_names)
+    vids = list(graph.in_vids) + list(graph.out_vids)
+    pins: dict[int, Pin] = dict(graph.pins)
+    for i, pin in match_hints(hints, names, [graph.shapes[v] for v in vids], axis_sizes).items():
+        vid = vids[i]
+        pins[vid] = merge_pins(pins[vid], pin, names[i]) if vid in pins else pin
+    return pins
 
 
 def plan_from_graph(
@@ -485,19 +514,41 @@ def plan_from_graph(
     Example:
         >>> plan = plan_from_graph(traced, graph, mesh, {"x": P("data")})  # doctest: +SKIP
     """
+    return decide(traced, graph, propagate_hints(traced, graph, mesh, hints, cost_model), mesh)
+
+
+def propagate_hints(
+    traced: Traced,
+    graph: Graph,
+    mesh: Mesh,
+    hints: Mapping[str, PartitionSpec] | None = None,
+    cost_model: CostModel | None = None,
+) -> Propagator:
+    """Pin the hints (`hint_pins`) and propagate them to a fixed point.
+
+    Example:
+        >>> prop = propagate_hints(traced, graph, mesh, {"x": P("data")})  # doctest: +SKIP
+    """
     sizes = mesh_axis_sizes(mesh)
-    names = list(traced.in_names) + list(traced.out_names)
-    vids = list(graph.in_vids) + list(graph.out_vids)
-    pins: dict[int, Pin] = dict(graph.pins)
-    for i, pin in match_hints(hints or {}, names, [graph.shapes[v] for v in vids], sizes).items():
-        vid = vids[i]
-        pins[vid] = merge_pins(pins[vid], pin, names[i]) if vid in pins else pin
     prop = Propagator(graph, sizes, cost_model)
-    for vid, pin in pins.items():
+    for vid, pin in hint_pins(traced, graph, hints or {}, sizes).items():
         prop.pin(vid, pin)
     prop.run()
-    prop.default(graph.in_vids, "replicated: no hint or propagation reached it")
-    prop.default(range(len(graph.shapes)), "replicated: no hint or propagation reached it")
+    return prop
+
+
+UNREACHED = "replicated: no hint or propagation reached it"
+
+
+def decide(traced: Traced, graph: Graph, prop: Propagator, mesh: Mesh) -> Plan:
+    """Settle what propagation left open (replicated: arguments first, then the rest)
+    and make the `Plan`.
+
+    Example:
+        >>> plan = decide(traced, graph, propagate_hints(traced, graph, mesh), mesh)  # doctest: +SKIP
+    """
+    prop.default(graph.in_vids, UNREACHED)
+    prop.default(range(len(graph.shapes)), UNREACHED)
     return Plan(traced, graph, prop, mesh)
 
 

@@ -41,7 +41,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxshard.annotate import Pin, match_hints, merge_pins
 from jaxshard.cost import (
     CostModel,
     Liveness,
@@ -56,19 +55,19 @@ from jaxshard.cost import (
     step_bytes,
 )
 from jaxshard.errors import JaxshardBug, ShardingError, warn
-from jaxshard.graph import build_graph
+from jaxshard.graph import find_root
 from jaxshard.lattice import Axes, spec_entry, to_spec
 from jaxshard.plan import (
     Plan,
     _dead_apps,
     _duplicate,
     _gc_paused,
-    auto_view,
+    hint_pins,
     mesh_axis_sizes,
     plan_from_graph,
+    trace_graph,
 )
 from jaxshard.rule import FactorKind
-from jaxshard.trace import trace
 
 # Chosen hints carry this regex comment into the plan, so an origin reads
 # hint 'params/layers/0/attn/wq(?#jaxshard search)': P(None, 'model')
@@ -195,11 +194,8 @@ def search_hints(
     t0 = time.perf_counter()
     say = progress or _LateProgress(t0)
     hints = dict(hints or {})
-    sizes = mesh_axis_sizes(mesh)
-    with jax.set_mesh(auto_view(mesh)):  # trace as make_plan and lowering do
-        traced = trace(fn, args, kwargs)
+    traced, graph = trace_graph(fn, args, kwargs, mesh)
     with _gc_paused():
-        graph = build_graph(traced, sizes)
         say(f"traced {len(graph.apps)} equations, {len(graph.shapes)} values "
             f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
         problem = _Problem(traced, graph, mesh, hints, cost_model or CostModel(), memory_budget)
@@ -365,14 +361,7 @@ class _Problem:
     # --- dim classes -------------------------------------------------------------------
 
     def _pins(self, hints) -> None:
-        g, t = self.graph, self.traced
-        names = list(t.in_names) + list(t.out_names)
-        vids = list(g.in_vids) + list(g.out_vids)
-        shapes = [g.shapes[v] for v in vids]
-        pins: dict[int, Pin] = dict(g.pins)
-        for i, pin in match_hints(hints, names, shapes, self.sizes).items():
-            vid = vids[i]
-            pins[vid] = merge_pins(pins[vid], pin, names[i]) if vid in pins else pin
+        pins = hint_pins(self.traced, self.graph, hints, self.sizes)
         self.pins: dict[int, tuple] = {v: p.dims for v, p in pins.items()}
 
     def _classes(self) -> None:
@@ -387,12 +376,6 @@ class _Problem:
         for v, shape in enumerate(g.shapes):
             for d, s in enumerate(shape):
                 size[offset[v] + d] = s
-
-        def find(x: int) -> int:
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
 
         majors: dict[int, list[tuple[int, int]]] = {}  # per rule: (tensor, dim, factor)
         for app in g.apps:
@@ -409,7 +392,7 @@ class _Problem:
             vids = (*app.operands, *app.results)
             first: dict[int, int] = {}
             for t, d, f in entries:
-                k = find(int(offset[vids[t]]) + d)
+                k = find_root(parent, int(offset[vids[t]]) + d)
                 fs = rule.factors[f].size
                 if size[k] % fs:
                     size[k] = math.gcd(size[k], fs)
@@ -417,12 +400,12 @@ class _Problem:
                 if other is None:
                     first[f] = k
                     continue
-                other = find(other)
+                other = find_root(parent, other)
                 if other != k:
                     parent[k] = other
                     size[other] = math.gcd(size[other], size[k])
                 first[f] = other
-        self.root = [find(k) for k in range(n)]
+        self.root = [find_root(parent, k) for k in range(n)]
         self.class_size = size
 
     def _key(self, v: int, d: int) -> int:
