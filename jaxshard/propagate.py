@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import NamedTuple
 
 from jaxshard.annotate import Pin
@@ -33,9 +33,31 @@ from jaxshard.rule import FactorKind
 
 NEED = FactorKind.NEED_REPLICATION
 
-# a round's proposed write to one (value, dim): the sharding, the application proposing
-# it, the (value, dim) it came from, and whether the proposer need not be visited again
-Proposal = tuple[Axes, int, int, int, bool]
+
+class Proposal(NamedTuple):
+    """A round's proposed write to one (value, dim)."""
+
+    axes: Axes  # the sharding proposed
+    app: int  # the application proposing it
+    source: int  # the value it came from (-1: none)...
+    source_dim: int  # ...and that value's dim
+    quiet: bool  # the proposer need not be visited again after this write (see `_apply`)
+
+
+# Proposal(...) runs a Python-level __new__; the hot loop builds them at C speed
+_proposal = partial(tuple.__new__, Proposal)
+
+
+class ConflictKey(NamedTuple):
+    """Where a conflict was decided, so one decision is recorded once: a factor of an
+    application (``axis`` set when the conflict is over one mesh axis given to several
+    factors), or a dim of a value reached differently in one round (``app`` is None)."""
+
+    app: int | None
+    factor: int = -1  # the rule's factor index (for an application)
+    axis: str = ""
+    value: int = -1  # for a value: its id...
+    dim: int = -1  # ...and the dim
 
 
 class Origin(NamedTuple):
@@ -67,7 +89,7 @@ class State:
 
     dims: list[list[DimSharding]]
     origins: list[list[Origin | None]]
-    conflicts: dict[tuple, Conflict] = field(default_factory=dict)  # per (app, factor[, axis])
+    conflicts: dict[ConflictKey, Conflict] = field(default_factory=dict)
     visits: int = 0
 
 
@@ -214,8 +236,8 @@ class Propagator:
             if state[d] is not None:
                 continue
             first = props[0]
-            axes = first[0]
-            if len(props) > 1 and any(p[0] != axes for p in props):
+            axes = first.axes
+            if len(props) > 1 and any(p.axes != axes for p in props):
                 axes, origin = self._resolve_value(vid, d, props)
             else:
                 origin = None
@@ -229,31 +251,31 @@ class Propagator:
             state[d] = axes
             origins[vid][d] = origin
             if len(props) == 1:
-                skip = first[1] if first[4] else -1
+                skip = first.app if first.quiet else -1
                 for u in uses[vid]:
                     if not queued[u] and u != skip:
                         queued[u] = 1
                         queue.append(u)
             else:
-                quiet = {p[1] for p in props if p[4] and p[0] == axes}
+                quiet = {p.app for p in props if p.quiet and p.axes == axes}
                 for u in uses[vid]:
                     if not queued[u] and u not in quiet:
                         queued[u] = 1
                         queue.append(u)
 
     def _origin(self, proposal: Proposal) -> Origin:
-        _, a, src, src_dim, _ = proposal
+        src, src_dim = proposal.source, proposal.source_dim
         root = self.state.origins[src][src_dim] if src >= 0 else None
         return Origin(
             "propagated",
-            app=a,
+            app=proposal.app,
             source=src,
             source_dim=src_dim,
             from_hint=root is not None and root.from_hint,
         )
 
     def _resolve_value(self, vid: int, d: int, proposals: list[Proposal]) -> tuple[Axes, Origin]:
-        props = [(p[0], self._origin(p)) for p in proposals]
+        props = [(p.axes, self._origin(p)) for p in proposals]
         options: dict[Axes, list[tuple[int, int]]] = {}
         for axes, origin in props:
             holders = options.setdefault(axes, [])
@@ -264,7 +286,7 @@ class Propagator:
         name = self.graph.names.get(vid, f"%{vid}")
         chosen_origins = [o for axes, o in props if axes == chosen]
         origin = next((o for o in chosen_origins if o.from_hint), chosen_origins[0])
-        self.state.conflicts[(-1 - vid, d)] = Conflict(
+        self.state.conflicts[ConflictKey(None, value=vid, dim=d)] = Conflict(
             origin.app,
             f"dim {d} of {name}",
             options,
@@ -396,9 +418,9 @@ class Propagator:
             key = (vid, d)
             found = proposals.get(key)
             if found is None:
-                proposals[key] = [(new, a, src, src_dim, quiet)]
+                proposals[key] = [_proposal((new, a, src, src_dim, quiet))]
             else:
-                found.append((new, a, src, src_dim, quiet))
+                found.append(_proposal((new, a, src, src_dim, quiet)))
 
     def _resolve(self, a: int, f: int, cands: list[tuple[Axes, int, int]]) -> Axes:
         options: dict[Axes, list[tuple[int, int]]] = {}
@@ -410,7 +432,9 @@ class Propagator:
         )
         chosen, reason = self._decide(pool, options, set(self.graph.apps[a].results))
         name = self.graph.apps[a].rule.factors[f].name
-        self.state.conflicts[(a, f)] = Conflict(a, f"factor {name}", options, chosen, reason)
+        self.state.conflicts[ConflictKey(a, f)] = Conflict(
+            a, f"factor {name}", options, chosen, reason
+        )
         return chosen
 
     def _give_each_axis_once(
@@ -453,7 +477,7 @@ class Propagator:
                 if loser == chosen:
                     continue
                 kept = tuple(x for x in values[loser] if x != axis)
-                self.state.conflicts[(a, loser, axis)] = Conflict(
+                self.state.conflicts[ConflictKey(a, loser, axis)] = Conflict(
                     a,
                     f"factor {factors[loser].name} (mesh axis {axis!r} also shards factor "
                     f"{factors[chosen].name}; one axis goes to one factor)",
