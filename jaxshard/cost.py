@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -81,6 +82,23 @@ def ring_bytes(kind: str, n: int, local: float) -> float:
     return 2 * share if kind == "all-reduce" else share
 
 
+class PlannedCollective(NamedTuple):
+    """One collective a reshard calls for: its kind, the mesh axes it runs over, and the
+    bytes one device sends (ring volumes). Prints as the plan's explanation shows it.
+
+    Example:
+        >>> print(PlannedCollective("all-gather", ("data", "model"), 768.0))
+        all-gather over data,model
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: float
+
+    def __str__(self) -> str:
+        return f"{self.kind} over {','.join(self.axes)}"
+
+
 def reshard_cost(
     shape: Sequence[int],
     dtype,
@@ -104,7 +122,7 @@ def reshard_cost(
         (384.0, ['reduce-scatter over model'])
     """
     steps = reshard_collectives(shape, dtype, src, dst, axis_sizes, partial)
-    return sum(s[2] for s in steps) + 0.0, [f"{k} over {','.join(a)}" for k, a, _ in steps]
+    return sum(s.bytes for s in steps) + 0.0, [str(s) for s in steps]
 
 
 def reshard_collectives(
@@ -114,7 +132,7 @@ def reshard_collectives(
     dst: Sequence[DimSharding],
     axis_sizes: Mapping[str, int],
     partial: frozenset[str] = frozenset(),
-) -> list[tuple[str, tuple[str, ...], float]]:
+) -> list[PlannedCollective]:
     """The collectives of `reshard_cost` one by one: ``(kind, mesh axes, bytes per device)``,
     so a `CostModel` can price each on its own axes.
 
@@ -122,7 +140,8 @@ def reshard_collectives(
         >>> sizes = {"data": 2, "model": 4}
         >>> reshard_collectives((8, 16), np.float32, [("data",), ()], [(), ()], sizes,
         ...                     frozenset({"model"}))
-        [('all-reduce', ('model',), 384.0), ('all-gather', ('data',), 256.0)]
+        [PlannedCollective(kind='all-reduce', axes=('model',), bytes=384.0),
+         PlannedCollective(kind='all-gather', axes=('data',), bytes=256.0)]
     """
     # an axis of size 1 moves nothing: XLA emits no collective over it
     src = [tuple(a for a in d or () if axis_sizes[a] > 1) for d in src]
@@ -133,17 +152,19 @@ def reshard_collectives(
     where_dst = {a: i for i, d in enumerate(dst) for a in d}
     local_dst = total / shards(dst, axis_sizes)
     local_src = total / shards(src, axis_sizes)
-    out: list[tuple[str, tuple[str, ...], float]] = []
+    out: list[PlannedCollective] = []
     scattered = sorted(a for a in partial if a in where_dst)
     reduced = sorted(a for a in partial if a not in where_dst)
     if reduced:
         n = math.prod(axis_sizes[a] for a in reduced)
-        out.append(("all-reduce", tuple(reduced), ring_bytes("all-reduce", n, local_src)))
+        out.append(
+            PlannedCollective("all-reduce", tuple(reduced), ring_bytes("all-reduce", n, local_src))
+        )
     if scattered:  # the input is whole along the scattered axes, whatever ``src`` says
         n = math.prod(axis_sizes[a] for a in scattered)
         whole = [tuple(a for a in d if a not in scattered) for d in src]
         volume = ring_bytes("reduce-scatter", n, total / shards(whole, axis_sizes))
-        out.append(("reduce-scatter", tuple(scattered), volume))
+        out.append(PlannedCollective("reduce-scatter", tuple(scattered), volume))
     moved = sorted(
         a
         for a, i in where_src.items()
@@ -151,11 +172,15 @@ def reshard_collectives(
     )
     if moved:
         n = math.prod(axis_sizes[a] for a in moved)
-        out.append(("all-to-all", tuple(moved), ring_bytes("all-to-all", n, local_dst)))
+        out.append(
+            PlannedCollective("all-to-all", tuple(moved), ring_bytes("all-to-all", n, local_dst))
+        )
     removed = sorted(a for a in where_src if a not in where_dst)
     if removed:
         n = math.prod(axis_sizes[a] for a in removed)
-        out.append(("all-gather", tuple(removed), ring_bytes("all-gather", n, local_dst)))
+        out.append(
+            PlannedCollective("all-gather", tuple(removed), ring_bytes("all-gather", n, local_dst))
+        )
     return out
 
 
@@ -245,7 +270,7 @@ class CostModel:
             20.73
         """
         steps = reshard_collectives(shape, dtype, src, dst, axis_sizes, partial)
-        return sum(self.collective_time(axes, b) for _, axes, b in steps)
+        return sum(self.collective_time(s.axes, s.bytes) for s in steps)
 
 
 # --- executions ----------------------------------------------------------------------

@@ -23,11 +23,12 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxshard.annotate import Pin, match_hints, merge_pins
 from jaxshard.cost import (
     CostModel,
+    PlannedCollective,
     executions,
     in_while_loop,
     nbytes,
     per_device_bytes,
-    reshard_cost,
+    reshard_collectives,
     step_bytes,
 )
 from jaxshard.errors import ShardingError
@@ -39,8 +40,9 @@ from jaxshard.trace import Traced, trace
 
 @dataclass(frozen=True)
 class Reshard:
-    """A predicted collective: at application ``app``, value ``vid`` moves ``src``->``dst``
-    (after summing pending ``partial`` reductions), moving ``bytes`` per device each time
+    """A predicted reshard: at application ``app``, value ``vid`` moves ``src``->``dst``
+    (after summing pending ``partial`` reductions) by the collectives ``steps``, moving
+    ``bytes`` per device each time
     the equation runs: ``runs`` times per call (the lengths of the scans around it). In a
     while loop (``in_while``) the trip count is not known when planning, and ``runs``
     counts the loop once."""
@@ -51,10 +53,15 @@ class Reshard:
     dst: tuple[DimSharding, ...]
     partial: frozenset[str]
     bytes: float
-    collectives: tuple[str, ...]
+    steps: tuple[PlannedCollective, ...]
     where: str
     runs: int = 1
     in_while: bool = False
+
+    @property
+    def collectives(self) -> tuple[str, ...]:
+        """The collectives as text: ``('all-gather over data',)``."""
+        return tuple(str(s) for s in self.steps)
 
     @property
     def call_bytes(self) -> float:
@@ -148,10 +155,13 @@ class Plan:
 
     def _add_reshard(self, a, vid, src, dst, partial) -> None:
         g = self.graph
-        cost, ops = reshard_cost(g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes, partial)
-        if ops:
+        steps = reshard_collectives(
+            g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes, partial
+        )
+        if steps:
+            cost = sum(s.bytes for s in steps) + 0.0
             self.reshards.append(
-                Reshard(a, vid, src, dst, partial, cost, tuple(ops), g.apps[a].describe(),
+                Reshard(a, vid, src, dst, partial, cost, tuple(steps), g.apps[a].describe(),
                         self._runs[a], self._in_while[a])
             )  # fmt: skip
 

@@ -25,7 +25,7 @@ from functools import lru_cache, partial
 from typing import NamedTuple
 
 from jaxshard.annotate import Pin
-from jaxshard.cost import CostModel, reshard_collectives, reshard_cost
+from jaxshard.cost import CostModel, reshard_collectives
 from jaxshard.errors import JaxshardBug
 from jaxshard.graph import Graph
 from jaxshard.lattice import Axes, DimSharding, format_dim, join_axes, split_axes
@@ -525,10 +525,10 @@ class Propagator:
         """What moving value ``vid`` from ``src`` to ``dst`` costs: bytes per device, or
         seconds under the cost model."""
         shape, dtype, sizes = self.graph.shapes[vid], self.graph.dtypes[vid], self.axis_sizes
-        if self.cost_model is None:
-            return reshard_cost(shape, dtype, src, dst, sizes, partial)[0]
         steps = reshard_collectives(shape, dtype, src, dst, sizes, partial)
-        return sum(self.cost_model.collective_time(over, nbytes) for _, over, nbytes in steps)
+        if self.cost_model is None:
+            return sum(s.bytes for s in steps) + 0.0
+        return sum(self.cost_model.collective_time(s.axes, s.bytes) for s in steps)
 
     def _shown(self, cost: float) -> str:
         return f"{cost:.0f} B" if self.cost_model is None else f"{cost * 1e6:.2f} µs"

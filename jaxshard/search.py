@@ -698,7 +698,7 @@ class _Problem:
                     steps += reshard_collectives(
                         g.shapes[v], g.dtypes[v], layouts[t], dst, self.sizes
                     )
-        seconds = sum(self.cost_model.collective_time(axes, b) for _, axes, b in steps)
+        seconds = sum(self.cost_model.collective_time(s.axes, s.bytes) for s in steps)
         if self.cost_model.flops:
             work = 2 * math.prod(f.size for f in rule.factors)
             split = math.prod(self.sizes[a] for axes in factor_axes.values() for a in axes)

@@ -43,7 +43,7 @@ def predicted_kinds(plan) -> set[str]:
         >>> predicted_kinds(plan)  # doctest: +SKIP
         {'all-reduce'}
     """
-    return {op.split(" over ")[0] for r in plan.reshards for op in r.collectives}
+    return {step.kind for r in plan.reshards for step in r.steps}
 
 
 def _runs_total(collectives: list[Collective]) -> tuple[int, int]:
@@ -110,9 +110,8 @@ def predicted_collectives(plan) -> list[Collective]:
     for r in plan.reshards:
         total = nbytes(g.shapes[r.vid], g.dtypes[r.vid])
         before, after = total // shards(r.src, sizes), total // shards(r.dst, sizes)
-        for op in r.collectives:
-            kind, names = op.split(" over ")
-            axes = frozenset(names.split(","))
+        for kind, names, _ in r.steps:
+            axes = frozenset(names)
             # as compiled_collectives counts them: the result of a gather or scatter
             local = after if kind in ("all-gather", "reduce-scatter") else before
             group = math.prod(sizes[a] for a in axes)
