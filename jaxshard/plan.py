@@ -113,10 +113,8 @@ class Plan:
         # the layouts are copied into tuples: the propagator may go on, the plan may not
         self.traced, self.graph, self.mesh = traced, graph, mesh
         self.axis_sizes = mesh_axis_sizes(mesh)
-        self.dims: tuple[tuple[DimSharding, ...], ...] = tuple(tuple(d) for d in prop.state.dims)
-        self.origins: tuple[tuple[Origin | None, ...], ...] = tuple(
-            tuple(o) for o in prop.state.origins
-        )
+        self.dims: tuple[tuple[DimSharding, ...], ...] = tuple(map(tuple, prop.state.dims))
+        self.origins: tuple[tuple[Origin | None, ...], ...] = tuple(map(tuple, prop.state.origins))
         self.conflicts: list[Conflict] = list(prop.state.conflicts.values())
         self.visits = prop.state.visits
         self.search_result: Any = None  # set by search_hints before it returns the plan

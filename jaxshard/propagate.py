@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import NamedTuple
 
 from jaxshard.annotate import Pin
@@ -34,18 +34,11 @@ from jaxshard.rule import FactorKind
 NEED = FactorKind.NEED_REPLICATION
 
 
-class Proposal(NamedTuple):
-    """A round's proposed write to one (value, dim)."""
-
-    axes: Axes  # the sharding proposed
-    app: int  # the application proposing it
-    source: int  # the value it came from (-1: none)...
-    source_dim: int  # ...and that value's dim
-    quiet: bool  # the proposer need not be visited again after this write (see `_apply`)
-
-
-# Proposal(...) runs a Python-level __new__; the hot loop builds them at C speed
-_proposal = partial(tuple.__new__, Proposal)
+# A round's proposed write to one (value, dim): (axes proposed, the application proposing
+# them, the value and dim they came from (-1, -1: none), quiet: the proposer need not be
+# visited again after this write, see `_apply`). A plain tuple, unpacked by these names
+# where read: the hot loop makes one per written dim, and a NamedTuple costs 5x to build.
+Proposal = tuple[Axes, int, int, int, bool]
 
 
 class ConflictKey(NamedTuple):
@@ -236,8 +229,8 @@ class Propagator:
             if state[d] is not None:
                 continue
             first = props[0]
-            axes = first.axes
-            if len(props) > 1 and any(p.axes != axes for p in props):
+            axes, first_app, _, _, first_quiet = first
+            if len(props) > 1 and any(p[0] != axes for p in props):
                 axes, origin = self._resolve_value(vid, d, props)
             else:
                 origin = None
@@ -251,31 +244,31 @@ class Propagator:
             state[d] = axes
             origins[vid][d] = origin
             if len(props) == 1:
-                skip = first.app if first.quiet else -1
+                skip = first_app if first_quiet else -1
                 for u in uses[vid]:
                     if not queued[u] and u != skip:
                         queued[u] = 1
                         queue.append(u)
             else:
-                quiet = {p.app for p in props if p.quiet and p.axes == axes}
+                quiet = {app for p_axes, app, _, _, q in props if q and p_axes == axes}
                 for u in uses[vid]:
                     if not queued[u] and u not in quiet:
                         queued[u] = 1
                         queue.append(u)
 
     def _origin(self, proposal: Proposal) -> Origin:
-        src, src_dim = proposal.source, proposal.source_dim
+        _, app, src, src_dim, _ = proposal
         root = self.state.origins[src][src_dim] if src >= 0 else None
         return Origin(
             "propagated",
-            app=proposal.app,
+            app=app,
             source=src,
             source_dim=src_dim,
             from_hint=root is not None and root.from_hint,
         )
 
     def _resolve_value(self, vid: int, d: int, proposals: list[Proposal]) -> tuple[Axes, Origin]:
-        props = [(p.axes, self._origin(p)) for p in proposals]
+        props = [(p[0], self._origin(p)) for p in proposals]
         options: dict[Axes, list[tuple[int, int]]] = {}
         for axes, origin in props:
             holders = options.setdefault(axes, [])
@@ -418,9 +411,9 @@ class Propagator:
             key = (vid, d)
             found = proposals.get(key)
             if found is None:
-                proposals[key] = [_proposal((new, a, src, src_dim, quiet))]
+                proposals[key] = [(new, a, src, src_dim, quiet)]
             else:
-                found.append(_proposal((new, a, src, src_dim, quiet)))
+                found.append((new, a, src, src_dim, quiet))
 
     def _resolve(self, a: int, f: int, cands: list[tuple[Axes, int, int]]) -> Axes:
         options: dict[Axes, list[tuple[int, int]]] = {}
