@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxshard.cost import human_bytes, nbytes, per_device_bytes
 from jaxshard.lattice import to_spec
+from jaxshard.plan import register_stage
 
 if TYPE_CHECKING:
     from jaxshard.plan import Plan
@@ -134,3 +135,6 @@ def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False
         + (f" ({while_note(plan)})" if plan.while_reshards else ""),
     ]
     return "\n".join(out)
+
+
+register_stage("explain", explain_plan)

@@ -30,6 +30,8 @@ from jaxshard.hlo import (  # noqa: F401  (hlo_collectives and computation_runs:
     computation_runs,
     hlo_collectives,
 )
+from jaxshard.lower import Lowered
+from jaxshard.plan import register_stage
 
 _WARNINGS = re.compile(
     r"(involuntary full rematerialization|[Ii]nvoluntary|replicat\w+ .*not divisible)"
@@ -228,8 +230,6 @@ def verify(plan, lowered=None) -> Verification:
     """
     import jax
 
-    from jaxshard.lower import Lowered
-
     if lowered is None:
         program = Lowered(plan)
         avals = [
@@ -249,3 +249,6 @@ def verify(plan, lowered=None) -> Verification:
         predicted, found, unpredicted, missing, warnings,
         plan.predicted_bytes, compiled_bytes, unknown,
     )  # fmt: skip
+
+
+register_stage("verify", verify)
