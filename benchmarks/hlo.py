@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 from jaxshard.cost import ring_bytes
 from jaxshard.hlo import (  # one parser of computations, loops and HLO types
-    _computations,
-    _trip_count,
+    computations,
     shape_bytes,
+    trip_count,
 )
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -134,7 +134,7 @@ def group_size(line: str, num_devices: int) -> int | None:
 
 def collective_stats(hlo_text: str, num_devices: int) -> CollectiveStats:
     """Collectives of ``compiled.as_text()``, with executions per step; see the module doc."""
-    comps, entry = _computations(hlo_text)
+    comps, entry = computations(hlo_text)
     stats = CollectiveStats()
     edges: dict[str, list[tuple[str, int]]] = defaultdict(list)  # caller -> (callee, factor)
     for name, lines in comps.items():
@@ -143,7 +143,7 @@ def collective_stats(hlo_text: str, num_devices: int) -> CollectiveStats:
             for key, callee in _CALLS.findall(line):
                 factor = 1
                 if key == "body":
-                    trips = _trip_count(line, comps, calls.get("condition"))
+                    trips = trip_count(line, comps, calls.get("condition"))
                     if trips is None:
                         stats.unknown_trip_counts += 1
                         trips = 1

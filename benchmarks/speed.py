@@ -49,7 +49,7 @@ import numpy as np
 
 from jaxshard.graph import build_graph
 from jaxshard.lower import Lowered
-from jaxshard.plan import _gc_paused, auto_view, decide, mesh_axis_sizes, propagate_hints
+from jaxshard.plan import auto_view, decide, gc_paused, mesh_axis_sizes, propagate_hints
 from jaxshard.trace import trace
 
 from .workloads import SPEED_HINTS, Workload, count_equations, gpt_speed, llama_speed, meshes
@@ -154,7 +154,7 @@ def plan_once(w: Workload, mesh, hints, row: SpeedRow | None = None):
         with jax.set_mesh(auto_view(mesh)):
             traced = trace(w.step, w.args, {})
         done("trace")
-        with _gc_paused():  # as make_plan: build_graph, then plan_from_graph's two steps
+        with gc_paused():  # as make_plan: build_graph, then plan_from_graph's two steps
             graph = build_graph(traced, sizes)
             done("graph")
             prop = propagate_hints(traced, graph, mesh, hints)

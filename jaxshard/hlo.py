@@ -228,8 +228,13 @@ def _mesh_groups(mesh_text: str, ids_text: str | None, axes_text: str) -> list[l
     return np.transpose(ids.reshape(refined), rest + chosen).reshape(-1, group).tolist()
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
-    """HLO text split into computations: ``{name: instruction lines}``, and the entry."""
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    r"""HLO text split into computations: ``{name: instruction lines}``, and the entry.
+
+    Example:
+        >>> computations("ENTRY %main (a: f32[]) -> f32[] {\n  ROOT %n = f32[] negate(%a)\n}")
+        ({'main': ['  ROOT %n = f32[] negate(%a)']}, 'main')
+    """
     comps: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -245,9 +250,14 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
     return comps, entry
 
 
-def _trip_count(line: str, comps: dict[str, list[str]], condition: str | None) -> int | None:
+def trip_count(line: str, comps: dict[str, list[str]], condition: str | None) -> int | None:
     """A while instruction's trip count: XLA's ``known_trip_count``, else the one constant
-    a ``counter < N`` condition compares with, else None."""
+    a ``counter < N`` condition compares with, else None.
+
+    Example:
+        >>> trip_count('%w = while(%t), backend_config={"known_trip_count":{"n":"12"}}', {}, None)
+        12
+    """
     m = _TRIP.search(line)
     if m:
         return int(m.group(1))
@@ -274,7 +284,7 @@ def computation_runs(hlo_text: str) -> dict[str, int | None]:
         >>> sorted(computation_runs(text).items())
         [('body', 12), ('c', 12), ('main', 1), ('sum', 12)]
     """
-    comps, entry = _computations(hlo_text)
+    comps, entry = computations(hlo_text)
     callers: dict[str, list[tuple[str, int | None]]] = defaultdict(list)
     for name, lines in comps.items():
         for line in lines:
@@ -283,7 +293,7 @@ def computation_runs(hlo_text: str) -> dict[str, int | None]:
             for key, callee in calls:
                 factor = 1
                 if key in ("body", "condition") and " while(" in line:
-                    factor = _trip_count(line, comps, named.get("condition"))
+                    factor = trip_count(line, comps, named.get("condition"))
                 callers[callee].append((name, factor))
             for group in _BRANCHES.findall(line):
                 for callee in re.findall(r"%([\w.\-]+)", group):
@@ -317,7 +327,7 @@ def compiled_collectives(hlo_text: str, mesh) -> list[Collective]:
     """
     out = []
     n = mesh.devices.size
-    comps, _ = _computations(hlo_text)
+    comps, _ = computations(hlo_text)
     runs = computation_runs(hlo_text)
     for name, lines in comps.items() or [("", hlo_text.splitlines())]:
         times = runs.get(name, 1)

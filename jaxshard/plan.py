@@ -150,9 +150,9 @@ class Plan:
     def _analyze(self, prop: Propagator) -> None:
         g = self.graph
         seen: set = set()
-        dead = _dead_apps(g)
+        dead = dead_apps(g)
         for a, app in enumerate(g.apps):
-            if a in dead or _duplicate(app, seen) or prop.settled(a):
+            if a in dead or duplicate_app(app, seen) or prop.settled(a):
                 continue  # XLA drops it or computes it once; or it needs no reshard
             wants: dict[int, list[DimSharding]] = {}
             working, axes = prop.working(a)
@@ -347,8 +347,13 @@ class Plan:
         return _stage("explain")(self, intermediates=intermediates)
 
 
-def _dead_apps(g: Graph) -> set[int]:
-    """Equations whose results nothing uses (JAX's tracing keeps them; XLA removes them)."""
+def dead_apps(g: Graph) -> set[int]:
+    """Equations whose results nothing uses (JAX's tracing keeps them; XLA removes them).
+
+    Example:
+        >>> dead_apps(plan.graph)  # doctest: +SKIP
+        {12, 13}
+    """
     readers = [0] * len(g.shapes)
     for app in g.apps:
         for v in app.operands:
@@ -382,9 +387,16 @@ def _dead_apps(g: Graph) -> set[int]:
     return dead
 
 
-def _duplicate(app, seen: set) -> bool:
+def duplicate_app(app, seen: set) -> bool:
     """True for an equation identical to an earlier one (same primitive, operands and
-    params), which XLA's common-subexpression elimination merges."""
+    params), which XLA's common-subexpression elimination merges; ``seen`` collects the
+    equations met so far.
+
+    Example:
+        >>> seen = set()
+        >>> [duplicate_app(app, seen) for app in plan.graph.apps]  # doctest: +SKIP
+        [False, False, True]
+    """
     if app.eqn is None:
         return False
     try:
@@ -485,7 +497,7 @@ def make_plan(
     bytes moved.
     """
     traced, graph = trace_graph(fn, args, kwargs, mesh)
-    with _gc_paused():
+    with gc_paused():
         if saved is not None:
             return _replan(traced, graph, mesh, saved)
         return plan_from_graph(traced, graph, mesh, hints, cost_model)
@@ -500,7 +512,7 @@ def trace_graph(fn: Callable, args: tuple, kwargs: dict, mesh: Mesh) -> tuple[Tr
     """
     with jax.set_mesh(auto_view(mesh)):
         traced = trace(fn, args, kwargs)
-    with _gc_paused():
+    with gc_paused():
         return traced, build_graph(traced, mesh_axis_sizes(mesh))
 
 
@@ -590,9 +602,16 @@ def _replan(traced: Traced, graph: Graph, mesh: Mesh, saved: SavedPlan) -> Plan:
 
 
 @contextlib.contextmanager
-def _gc_paused():
+def gc_paused():
     """Planning allocates many small, long-lived objects; Python's cyclic collector would
-    rescan them over and over (a third of planning time on a 12-layer GPT)."""
+    rescan them over and over (a third of planning time on a 12-layer GPT).
+
+    Example:
+        >>> import gc
+        >>> with gc_paused():
+        ...     gc.isenabled()
+        False
+    """
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -600,3 +619,6 @@ def _gc_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+_gc_paused = gc_paused  # the former name, which jaxshard.lower still imports

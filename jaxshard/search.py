@@ -59,9 +59,9 @@ from jaxshard.graph import find_root
 from jaxshard.lattice import Axes, spec_entry, to_spec
 from jaxshard.plan import (
     Plan,
-    _dead_apps,
-    _duplicate,
-    _gc_paused,
+    dead_apps,
+    duplicate_app,
+    gc_paused,
     hint_pins,
     mesh_axis_sizes,
     plan_from_graph,
@@ -195,7 +195,7 @@ def search_hints(
     say = progress or _LateProgress(t0)
     hints = dict(hints or {})
     traced, graph = trace_graph(fn, args, kwargs, mesh)
-    with _gc_paused():
+    with gc_paused():
         say(f"traced {len(graph.apps)} equations, {len(graph.shapes)} values "
             f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
         problem = _Problem(traced, graph, mesh, hints, cost_model or CostModel(), memory_budget)
@@ -343,7 +343,7 @@ class _Problem:
         self.traced, self.graph, self.mesh = traced, graph, mesh
         self.sizes = mesh_axis_sizes(mesh)
         self.cost_model, self.budget = cost_model, memory_budget
-        self.dead = _dead_apps(graph)
+        self.dead = dead_apps(graph)
         self.live: Liveness = liveness(graph, self.dead)
         self.user_budget = memory_budget
         self._pins(hints)
@@ -614,7 +614,7 @@ class _Problem:
         runs = executions(g)
         special: dict[int, tuple] = {}
         for a, app in enumerate(g.apps):
-            if a in self.dead or _duplicate(app, seen):
+            if a in self.dead or duplicate_app(app, seen):
                 continue
             rule = app.rule
             kinds = special.get(id(rule))

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import jaxshard
 from jaxshard import search
 from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes
-from jaxshard.plan import _dead_apps
+from jaxshard.plan import dead_apps
 from jaxshard.search import group_key, search_hints
 from jaxshard.trace import arg_names
 
@@ -61,7 +61,7 @@ def exact_hints(step, args, rules):
 
 def footprint(plan):
     g = plan.graph
-    return memory_estimate(g, plan.dims, plan.axis_sizes, plan.out_dims, liveness(g, _dead_apps(g)))
+    return memory_estimate(g, plan.dims, plan.axis_sizes, plan.out_dims, liveness(g, dead_apps(g)))
 
 
 @pytest.fixture(scope="module")

@@ -317,5 +317,7 @@ def test_collectives_of_narrow_dtypes_are_counted(mesh, dtype):
     )
     (found,) = compiled_collectives(text, mesh)
     assert (found.kind, found.axes, found.bytes) == (
-        "all-gather", frozenset({"data"}), 64 * DTYPE_BYTES[dtype]
+        "all-gather",
+        frozenset({"data"}),
+        64 * DTYPE_BYTES[dtype],
     )
