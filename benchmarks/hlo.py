@@ -28,17 +28,15 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from jaxshard.hlo import _computations, _trip_count  # one parser of computations and loops
+from jaxshard.cost import ring_bytes
+from jaxshard.hlo import (  # one parser of computations, loops and HLO types
+    computations,
+    shape_bytes,
+    trip_count,
+)
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
-_DTYPE_BYTES = {
-    "pred": 1, "s2": 1, "u2": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1,
-    "f8e5m2": 1, "f8e4m3": 1, "f8e3m4": 1, "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1,
-    "f8e5m2fnuz": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-}  # fmt: skip
-_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 _CALLS = re.compile(
     r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)"
 )
@@ -56,13 +54,9 @@ class Collective:
     @property
     def ring_bytes(self) -> float:
         n, s = self.group_size, self.result_bytes
-        if self.kind == "collective-permute" or not n:
+        if not n:  # an unreadable group: count the whole buffer
             return float(s)
-        if self.kind == "all-reduce":
-            return 2 * (n - 1) / n * s
-        if self.kind == "reduce-scatter":
-            return float((n - 1) * s)
-        return (n - 1) / n * s  # all-gather (S is the gathered result), all-to-all
+        return ring_bytes(self.kind, n, n * s if self.kind == "reduce-scatter" else s)
 
 
 @dataclass
@@ -99,24 +93,6 @@ class CollectiveStats:
         short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS",
                  "all-to-all": "A2A", "collective-permute": "CP"}  # fmt: skip
         return " ".join(f"{n}{short[k]}" for k, n in self.by_kind().items()) or "-"
-
-
-def shape_bytes(type_text: str) -> list[int]:
-    """Bytes of each array in an HLO type (a tuple type gives one entry per element).
-
-    Example:
-        >>> shape_bytes("(f32[8,16]{1,0}, bf16[4]{0})")
-        [512, 8]
-    """
-    out = []
-    for dtype, dims in _ARRAY.findall(type_text):
-        if dtype not in _DTYPE_BYTES:
-            continue
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        out.append(n * _DTYPE_BYTES[dtype])
-    return out
 
 
 def group_size(line: str, num_devices: int) -> int | None:
@@ -158,7 +134,7 @@ def group_size(line: str, num_devices: int) -> int | None:
 
 def collective_stats(hlo_text: str, num_devices: int) -> CollectiveStats:
     """Collectives of ``compiled.as_text()``, with executions per step; see the module doc."""
-    comps, entry = _computations(hlo_text)
+    comps, entry = computations(hlo_text)
     stats = CollectiveStats()
     edges: dict[str, list[tuple[str, int]]] = defaultdict(list)  # caller -> (callee, factor)
     for name, lines in comps.items():
@@ -167,7 +143,7 @@ def collective_stats(hlo_text: str, num_devices: int) -> CollectiveStats:
             for key, callee in _CALLS.findall(line):
                 factor = 1
                 if key == "body":
-                    trips = _trip_count(line, comps, calls.get("condition"))
+                    trips = trip_count(line, comps, calls.get("condition"))
                     if trips is None:
                         stats.unknown_trip_counts += 1
                         trips = 1

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxshard
 from jaxshard.baseline import shardy_alone
+from jaxshard.cost import human_bytes
 from jaxshard.plan import mesh_axis_sizes
 
 from . import layouts
@@ -257,17 +258,13 @@ def _short(row: Row) -> str:
     if row.count is None:
         return row.note
     return (
-        f"{row.count} collectives, {_mib(row.ring_bytes)} ring, mem {_mib(row.mem_total)}, "
+        f"{row.count} collectives, {_size(row.ring_bytes)} ring, mem {_size(row.mem_total)}, "
         f"step {row.step_ms:.1f} ms, compile {row.compile_s:.1f} s"
     )
 
 
-def _mib(n: float | None) -> str:
-    if n is None:
-        return "—"
-    if n < 1024**2:
-        return f"{n / 1024:.1f} KiB"
-    return f"{n / 1024**2:.2f} MiB"
+def _size(n: float | None) -> str:
+    return "—" if n is None else human_bytes(n, 2)
 
 
 # --- tables ---------------------------------------------------------------------------
@@ -286,11 +283,11 @@ def quality_table(rows: list[Row]) -> str:
             continue
         static = f", {r.static_count} in HLO" if r.static_count != r.count else ""
         trips = f" (≥, {r.unknown_trips} loop(s) of unknown trip count)" if r.unknown_trips else ""
-        predicted = "" if r.predicted_bytes is None else _mib(r.predicted_bytes)
-        mem = f"{_mib(r.mem_total)} ({_mib(r.mem_args)}, {_mib(r.mem_temp)})"
+        predicted = "" if r.predicted_bytes is None else _size(r.predicted_bytes)
+        mem = f"{_size(r.mem_total)} ({_size(r.mem_args)}, {_size(r.mem_temp)})"
         lines.append(
             f"| {r.model} | {r.mesh} | {r.layout} | {r.count}{static}{trips}: {r.kinds} | "
-            f"{_mib(r.result_bytes)} | {_mib(r.ring_bytes)} | {predicted} | {mem} | {r.note} |"
+            f"{_size(r.result_bytes)} | {_size(r.ring_bytes)} | {predicted} | {mem} | {r.note} |"
         )
     return head + "\n".join(lines) + "\n"
 
@@ -326,7 +323,7 @@ def headline_table(rows: list[Row]) -> str:
             elif row.count is None:
                 cells.append("failed" if row.note.startswith("failed") else "—")
             else:
-                cells.append(f"{_mib(row.ring_bytes)} · {_mib(row.mem_total)}")
+                cells.append(f"{_size(row.ring_bytes)} · {_size(row.mem_total)}")
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
     return head + "\n".join(lines) + "\n"
 

@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import benchmarks  # noqa: E402, F401  (sets the simulated device count before JAX loads)
 import jaxshard  # noqa: E402
 from jaxshard.cost import liveness, memory_estimate, step_bytes  # noqa: E402
-from jaxshard.plan import _dead_apps, mesh_axis_sizes  # noqa: E402
+from jaxshard.plan import dead_apps, mesh_axis_sizes  # noqa: E402
 from jaxshard.trace import arg_names  # noqa: E402
 from jaxshard.verify import compiled_collectives  # noqa: E402
 
@@ -107,7 +107,7 @@ def reference_hints(w: Workload, layout: layouts.Layout, mesh) -> dict[str, P]:
 
 def estimated_memory(plan) -> float:
     g = plan.graph
-    live = liveness(g, _dead_apps(g))
+    live = liveness(g, dead_apps(g))
     return memory_estimate(g, plan.dims, plan.axis_sizes, plan.out_dims, live).total
 
 

@@ -9,8 +9,9 @@ stages of `jaxshard.plan.make_plan` one by one so each can be timed. Per repetit
 - ``trace``: `jaxshard.trace.trace` (make_jaxpr plus naming every leaf): JAX's tracing,
   which jaxshard needs once like any `jax.jit`;
 - ``graph``: `jaxshard.graph.build_graph`;
-- ``propagate``: hint matching, `Propagator` construction, pins and the fixed point;
-- ``decide``: the defaults for open dims and `Plan` (reshards, costs, in/out specs);
+- ``propagate``: `jaxshard.plan.propagate_hints`: hint matching, pins, the fixed point;
+- ``decide``: `jaxshard.plan.decide`: the defaults for open dims and `Plan` (reshards,
+  costs, in/out specs);
 - ``build``: the lowered program: `jaxshard.lower.Lowered(plan)` (the jaxpr rewritten
   with its sharding constraints) and `jax.jit(...).trace` of it (one bind of the rewritten
   jaxpr), ready for ``.lower()``;
@@ -46,11 +47,9 @@ import jax
 import jaxshard.rules  # noqa: F401  (registers the rule catalogue)
 import numpy as np
 
-from jaxshard.annotate import match_hints, merge_pins
 from jaxshard.graph import build_graph
 from jaxshard.lower import Lowered
-from jaxshard.plan import Plan, _gc_paused, auto_view, mesh_axis_sizes
-from jaxshard.propagate import Propagator
+from jaxshard.plan import auto_view, decide, gc_paused, mesh_axis_sizes, propagate_hints
 from jaxshard.trace import trace
 
 from .workloads import SPEED_HINTS, Workload, count_equations, gpt_speed, llama_speed, meshes
@@ -60,7 +59,6 @@ STAGES = (
     "plain_stablehlo",
 )  # fmt: skip
 JAXSHARD = ("graph", "propagate", "decide", "build")  # jaxshard's own work
-DEFAULT_TEXT = "replicated: no hint or propagation reached it"
 LINEAR_WITHIN = 0.25  # the criterion: seconds per equation within 25% of the largest step's
 
 
@@ -156,24 +154,12 @@ def plan_once(w: Workload, mesh, hints, row: SpeedRow | None = None):
         with jax.set_mesh(auto_view(mesh)):
             traced = trace(w.step, w.args, {})
         done("trace")
-        with _gc_paused():  # as make_plan: build_graph, then plan_from_graph's steps
+        with gc_paused():  # as make_plan: build_graph, then plan_from_graph's two steps
             graph = build_graph(traced, sizes)
             done("graph")
-            names = list(traced.in_names) + list(traced.out_names)
-            vids = list(graph.in_vids) + list(graph.out_vids)
-            pins = dict(graph.pins)
-            shapes = [graph.shapes[v] for v in vids]
-            for i, pin in match_hints(hints, names, shapes, sizes).items():
-                vid = vids[i]
-                pins[vid] = merge_pins(pins[vid], pin, names[i]) if vid in pins else pin
-            prop = Propagator(graph, sizes)
-            for vid, pin in pins.items():
-                prop.pin(vid, pin)
-            prop.run()
+            prop = propagate_hints(traced, graph, mesh, hints)
             done("propagate")
-            prop.default(graph.in_vids, DEFAULT_TEXT)
-            prop.default(range(len(graph.shapes)), DEFAULT_TEXT)
-            plan = Plan(traced, graph, prop, mesh)
+            plan = decide(traced, graph, prop, mesh)
         done("decide")
         lowered = Lowered(plan)
         flat = [

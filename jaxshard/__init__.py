@@ -29,7 +29,9 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+import jaxshard.explain  # noqa: E402, F401 - registers Plan.explain
 import jaxshard.rules  # noqa: E402, F401 - registers the rule catalogue with the engine
+import jaxshard.verify  # noqa: E402, F401 - registers Plan.verify
 from jaxshard.check import RuleCheckError, check_rule  # noqa: E402
 from jaxshard.flax_meta import flax_hints, logical_to_spec  # noqa: E402
 from jaxshard.kernels import with_rule  # noqa: E402

@@ -22,6 +22,7 @@ import functools
 import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import jax
@@ -72,6 +73,51 @@ class _Entry:
             return self.jitted.lower(*flat)
 
 
+@dataclass(frozen=True)
+class Options:
+    """The keyword options of `auto_shard` (documented there), checked once when made.
+
+    Example:
+        >>> Options(search=True, memory_budget=2**30).search_time_limit
+        30.0
+    """
+
+    logical_axis_rules: Rules | None = None
+    flax_metadata: bool = True
+    static_argnums: int | Sequence[int] = ()
+    static_argnames: str | Sequence[str] = ()
+    donate_argnums: int | Sequence[int] = ()
+    donate_argnames: str | Sequence[str] = ()
+    donate_state: bool = False
+    plan: SavedPlan | None = None
+    search: bool = False
+    memory_budget: float | None = None
+    cost_model: CostModel | None = None
+    search_time_limit: float = 30.0
+
+    @classmethod
+    def of(cls, caller: str, keywords: Mapping[str, Any]) -> Options:
+        """Options from keyword arguments, a misspelled one named as Python would."""
+        names = [f.name for f in fields(cls)]
+        for key in keywords:
+            if key not in names:
+                raise TypeError(
+                    f"{caller}() got an unexpected keyword argument {key!r}; its options are "
+                    + ", ".join(names)
+                )
+        return cls(**keywords)
+
+    def __post_init__(self) -> None:
+        if self.plan is not None and not isinstance(self.plan, SavedPlan):
+            raise ShardingError(
+                "plan= takes a saved plan (jaxshard.Plan.from_json(text)), got "
+                f"{type(self.plan).__name__}"
+            )
+        _check_search_options(
+            self.search, self.memory_budget, self.cost_model, self.search_time_limit, self.plan
+        )
+
+
 class AutoShard:
     """A function planned and run sharded by jaxshard; made by `auto_shard`.
 
@@ -84,20 +130,14 @@ class AutoShard:
         fn: Callable,
         mesh: Mesh,
         hints: Mapping[str, PartitionSpec] | None = None,
-        *,
-        logical_axis_rules: Rules | None = None,
-        flax_metadata: bool = True,
-        static_argnums: int | Sequence[int] = (),
-        static_argnames: str | Sequence[str] = (),
-        donate_argnums: int | Sequence[int] = (),
-        donate_argnames: str | Sequence[str] = (),
-        donate_state: bool = False,
-        plan: SavedPlan | None = None,
-        search: bool = False,
-        memory_budget: float | None = None,
-        cost_model: CostModel | None = None,
-        search_time_limit: float = 30.0,
+        options: Options | None = None,
+        **kwargs: Any,
     ):
+        # the keyword options of `auto_shard`, given one by one or as checked `Options`
+        if options is None:
+            options = Options.of("AutoShard", kwargs)
+        elif kwargs:
+            raise TypeError(f"AutoShard: give options= or keywords, not both ({sorted(kwargs)})")
         if not isinstance(mesh, Mesh):
             raise ShardingError(f"auto_shard needs a jax.sharding.Mesh, got {type(mesh).__name__}")
         if hints is not None and not isinstance(hints, Mapping):
@@ -106,26 +146,21 @@ class AutoShard:
                 f"got a {type(hints).__name__}: {hints!r}"
             )
         self.fn, self.mesh, self.hints = fn, mesh, dict(hints or {})
-        self.logical_axis_rules = check_rules(logical_axis_rules)
-        self.flax_metadata, self.donate_state = flax_metadata, donate_state
-        if plan is not None and not isinstance(plan, SavedPlan):
-            raise ShardingError(
-                f"plan= takes a saved plan (jaxshard.Plan.from_json(text)), got {type(plan).__name__}"
-            )
-        self.saved_plan = plan
-        _check_search_options(search, memory_budget, cost_model, search_time_limit, plan)
-        self.search, self.memory_budget = search, memory_budget
-        self.cost_model, self.search_time_limit = cost_model, search_time_limit
-        self.search_result: SearchResult | None = None
+        self.logical_axis_rules = check_rules(options.logical_axis_rules)
+        self.flax_metadata, self.donate_state = options.flax_metadata, options.donate_state
+        self.saved_plan = options.plan
+        self.search, self.memory_budget = options.search, options.memory_budget
+        self.cost_model, self.search_time_limit = options.cost_model, options.search_time_limit
+        self._latest: Plan | None = None  # the plan made last, for `search_result`
         try:
             self._signature: inspect.Signature | None = inspect.signature(fn)
         except (TypeError, ValueError):
             self._signature = None
         self._static_nums, self._static_names = _argnums_and_names(
-            self._signature, static_argnums, static_argnames, "static", fn
+            self._signature, options.static_argnums, options.static_argnames, "static", fn
         )
         self._donate_nums, self._donate_names = _argnums_and_names(
-            self._signature, donate_argnums, donate_argnames, "donate", fn
+            self._signature, options.donate_argnums, options.donate_argnames, "donate", fn
         )
         both = (self._static_nums & self._donate_nums) | (self._static_names & self._donate_names)
         if both:
@@ -217,12 +252,13 @@ class AutoShard:
                 time_limit=self.search_time_limit,
                 cost_model=self.cost_model,
             )
-            self.search_result, plan = result, result.plan
+            plan = result.plan
         else:
             plan = make_plan(
                 fn, dyn_args, dyn_kwargs, self.mesh, hints, self.saved_plan, self.cost_model
             )
         self.plans_made += 1
+        self._latest = plan
         donated = set()
         paths = [p for p, _ in jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]]
         for k, path in enumerate(paths):
@@ -259,6 +295,16 @@ class AutoShard:
         return hints
 
     # --- the public surface -----------------------------------------------------------
+
+    @property
+    def search_result(self) -> SearchResult | None:
+        """The search of the plan made last (None before it or without ``search=True``);
+        each call signature's own is ``step.plan(*args).search_result``.
+
+        Example:
+            >>> print(step.search_result)  # doctest: +SKIP
+        """
+        return None if self._latest is None else self._latest.search_result
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or `jax.ShapeDtypeStruct`s); cached, so
@@ -419,21 +465,7 @@ def _argnums_and_names(
 
 
 def auto_shard(
-    mesh: Mesh,
-    hints: Mapping[str, PartitionSpec] | None = None,
-    *,
-    logical_axis_rules: Rules | None = None,
-    flax_metadata: bool = True,
-    static_argnums: int | Sequence[int] = (),
-    static_argnames: str | Sequence[str] = (),
-    donate_argnums: int | Sequence[int] = (),
-    donate_argnames: str | Sequence[str] = (),
-    donate_state: bool = False,
-    plan: SavedPlan | None = None,
-    search: bool = False,
-    memory_budget: float | None = None,
-    cost_model: CostModel | None = None,
-    search_time_limit: float = 30.0,
+    mesh: Mesh, hints: Mapping[str, PartitionSpec] | None = None, **options: Any
 ) -> Callable[[Callable], AutoShard]:
     """Decorate a function so jaxshard plans its sharding on ``mesh`` and runs it sharded.
 
@@ -465,7 +497,8 @@ def auto_shard(
     latency), with per-device memory at most ``memory_budget`` bytes when given (a budget
     no layout meets is an error naming the smallest footprint). The search stops after
     ``search_time_limit`` seconds with the best layout found and a warning; long searches
-    print progress to stderr. The wrapper's ``search_result`` explains the last search.
+    print progress to stderr. Each plan's ``search_result`` explains its search (the
+    wrapper's ``search_result`` is the latest plan's).
     Without search, ``cost_model`` still prices propagation's conflicts.
 
     Example:
@@ -479,28 +512,29 @@ def auto_shard(
         >>> f.plan(jnp.ones((8, 4)), jnp.ones((4, 16))).out_specs
         P('data', 'model')
     """
-    _check_search_options(search, memory_budget, cost_model, search_time_limit, plan)
+    checked = Options.of("auto_shard", options)  # a bad option fails here, before any fn
 
     def wrap(fn: Callable) -> AutoShard:
-        return AutoShard(
-            fn,
-            mesh,
-            hints,
-            logical_axis_rules=logical_axis_rules,
-            flax_metadata=flax_metadata,
-            static_argnums=static_argnums,
-            static_argnames=static_argnames,
-            donate_argnums=donate_argnums,
-            donate_argnames=donate_argnames,
-            donate_state=donate_state,
-            plan=plan,
-            search=search,
-            memory_budget=memory_budget,
-            cost_model=cost_model,
-            search_time_limit=search_time_limit,
-        )
+        return AutoShard(fn, mesh, hints, checked)
 
     return wrap
+
+
+def _keyword_signature(fn: Callable, keep: int) -> inspect.Signature:
+    """``fn``'s signature with its ``**options`` spelled out as `Options`' fields, for
+    ``help()`` and editors."""
+    sig = inspect.signature(fn)
+    kept = list(sig.parameters.values())[:keep]
+    spelled = [
+        inspect.Parameter(
+            f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type
+        )
+        for f in fields(Options)
+    ]
+    return sig.replace(parameters=[*kept, *spelled])
+
+
+auto_shard.__signature__ = _keyword_signature(auto_shard, 2)  # type: ignore[attr-defined]
 
 
 def _check_search_options(search, memory_budget, cost_model, time_limit, plan) -> None:

@@ -14,10 +14,26 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
+from jaxshard.graph import find_root
 from jaxshard.lattice import DimSharding
+
+
+def human_bytes(n: float, digits: int = 1) -> str:
+    """Bytes with a binary unit (whole bytes below 1 KiB, ``digits`` decimals above).
+
+    Example:
+        >>> human_bytes(1536), human_bytes(12), human_bytes(3 * 2**30), human_bytes(2**16, 2)
+        ('1.5 KiB', '12 B', '3.0 GiB', '64.00 KiB')
+    """
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.{digits}f} {unit}"
+        n /= 1024
+    return f"{n:.{digits}f} GiB"
 
 
 def nbytes(shape: Sequence[int], dtype) -> int:
@@ -50,6 +66,39 @@ def per_device_bytes(shape, dtype, dims, axis_sizes) -> int:
     return nbytes(shape, dtype) // shards(dims, axis_sizes)
 
 
+def ring_bytes(kind: str, n: int, local: float) -> float:
+    """Bytes one device sends for one collective over a group of ``n`` devices with ring
+    algorithms: ``2(n-1)/n`` of the buffer for an all-reduce, ``(n-1)/n`` for the others.
+    ``local`` is the per-device buffer: the all-reduced one, the all-gathered result, the
+    reduce-scattered input, the all-to-all buffer; a collective-permute sends it whole.
+
+    Example:
+        >>> ring_bytes("all-reduce", 4, 1024), ring_bytes("all-gather", 4, 1024)
+        (1536.0, 768.0)
+    """
+    if kind == "collective-permute":
+        return float(local)
+    share = (n - 1) / n * local
+    return 2 * share if kind == "all-reduce" else share
+
+
+class PlannedCollective(NamedTuple):
+    """One collective a reshard calls for: its kind, the mesh axes it runs over, and the
+    bytes one device sends (ring volumes). Prints as the plan's explanation shows it.
+
+    Example:
+        >>> print(PlannedCollective("all-gather", ("data", "model"), 768.0))
+        all-gather over data,model
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    bytes: float
+
+    def __str__(self) -> str:
+        return f"{self.kind} over {','.join(self.axes)}"
+
+
 def reshard_cost(
     shape: Sequence[int],
     dtype,
@@ -73,7 +122,7 @@ def reshard_cost(
         (384.0, ['reduce-scatter over model'])
     """
     steps = reshard_collectives(shape, dtype, src, dst, axis_sizes, partial)
-    return sum(s[2] for s in steps) + 0.0, [f"{k} over {','.join(a)}" for k, a, _ in steps]
+    return sum(s.bytes for s in steps) + 0.0, [str(s) for s in steps]
 
 
 def reshard_collectives(
@@ -83,7 +132,7 @@ def reshard_collectives(
     dst: Sequence[DimSharding],
     axis_sizes: Mapping[str, int],
     partial: frozenset[str] = frozenset(),
-) -> list[tuple[str, tuple[str, ...], float]]:
+) -> list[PlannedCollective]:
     """The collectives of `reshard_cost` one by one: ``(kind, mesh axes, bytes per device)``,
     so a `CostModel` can price each on its own axes.
 
@@ -91,7 +140,8 @@ def reshard_collectives(
         >>> sizes = {"data": 2, "model": 4}
         >>> reshard_collectives((8, 16), np.float32, [("data",), ()], [(), ()], sizes,
         ...                     frozenset({"model"}))
-        [('all-reduce', ('model',), 384.0), ('all-gather', ('data',), 256.0)]
+        [PlannedCollective(kind='all-reduce', axes=('model',), bytes=384.0),
+         PlannedCollective(kind='all-gather', axes=('data',), bytes=256.0)]
     """
     # an axis of size 1 moves nothing: XLA emits no collective over it
     src = [tuple(a for a in d or () if axis_sizes[a] > 1) for d in src]
@@ -102,18 +152,19 @@ def reshard_collectives(
     where_dst = {a: i for i, d in enumerate(dst) for a in d}
     local_dst = total / shards(dst, axis_sizes)
     local_src = total / shards(src, axis_sizes)
-    out: list[tuple[str, tuple[str, ...], float]] = []
+    out: list[PlannedCollective] = []
     scattered = sorted(a for a in partial if a in where_dst)
     reduced = sorted(a for a in partial if a not in where_dst)
     if reduced:
         n = math.prod(axis_sizes[a] for a in reduced)
-        out.append(("all-reduce", tuple(reduced), 2 * (n - 1) / n * local_src))
+        out.append(
+            PlannedCollective("all-reduce", tuple(reduced), ring_bytes("all-reduce", n, local_src))
+        )
     if scattered:  # the input is whole along the scattered axes, whatever ``src`` says
         n = math.prod(axis_sizes[a] for a in scattered)
         whole = [tuple(a for a in d if a not in scattered) for d in src]
-        out.append(
-            ("reduce-scatter", tuple(scattered), (n - 1) / n * total / shards(whole, axis_sizes))
-        )
+        volume = ring_bytes("reduce-scatter", n, total / shards(whole, axis_sizes))
+        out.append(PlannedCollective("reduce-scatter", tuple(scattered), volume))
     moved = sorted(
         a
         for a, i in where_src.items()
@@ -121,11 +172,15 @@ def reshard_collectives(
     )
     if moved:
         n = math.prod(axis_sizes[a] for a in moved)
-        out.append(("all-to-all", tuple(moved), (n - 1) / n * local_dst))
+        out.append(
+            PlannedCollective("all-to-all", tuple(moved), ring_bytes("all-to-all", n, local_dst))
+        )
     removed = sorted(a for a in where_src if a not in where_dst)
     if removed:
         n = math.prod(axis_sizes[a] for a in removed)
-        out.append(("all-gather", tuple(removed), (n - 1) / n * local_dst))
+        out.append(
+            PlannedCollective("all-gather", tuple(removed), ring_bytes("all-gather", n, local_dst))
+        )
     return out
 
 
@@ -215,7 +270,7 @@ class CostModel:
             20.73
         """
         steps = reshard_collectives(shape, dtype, src, dst, axis_sizes, partial)
-        return sum(self.collective_time(axes, b) for _, axes, b in steps)
+        return sum(self.collective_time(s.axes, s.bytes) for s in steps)
 
 
 # --- executions ----------------------------------------------------------------------
@@ -324,22 +379,15 @@ def liveness(graph, skip: Iterable[int] = ()) -> Liveness:
     """
     n = len(graph.shapes)
     parent = list(range(n))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
     skip = set(skip)
     for app in graph.apps:
         if app.kind == "link" and len(app.operands) == 1 and len(app.results) == 1:
             o, r = app.operands[0], app.results[0]
             if graph.shapes[o] == graph.shapes[r] and _is_identity(app.rule):
-                ro, rr = find(o), find(r)
+                ro, rr = find_root(parent, o), find_root(parent, r)
                 if ro != rr:
                     parent[rr] = ro
-    owner = [find(v) for v in range(n)]
+    owner = [find_root(parent, v) for v in range(n)]
     big = len(graph.apps) + 1
     start = np.full(n, big, dtype=np.int64)
     end = np.full(n, -1, dtype=np.int64)

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxshard.cost import nbytes, per_device_bytes
+from jaxshard.cost import human_bytes, nbytes, per_device_bytes
 from jaxshard.lattice import to_spec
+from jaxshard.plan import register_stage
 
 if TYPE_CHECKING:
     from jaxshard.plan import Plan
@@ -50,20 +51,6 @@ def while_note(plan: Plan) -> str:
 
 def _partial_text(axes) -> str:
     return f" (partial over {', '.join(sorted(axes))})" if axes else ""
-
-
-def human_bytes(n: float) -> str:
-    """Bytes with a binary unit.
-
-    Example:
-        >>> human_bytes(1536), human_bytes(12)
-        ('1.5 KiB', '12 B')
-    """
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -148,3 +135,6 @@ def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False
         + (f" ({while_note(plan)})" if plan.while_reshards else ""),
     ]
     return "\n".join(out)
+
+
+register_stage("explain", explain_plan)

@@ -125,6 +125,21 @@ class Graph:
         return uses
 
 
+def find_root(parent: list[int], x: int) -> int:
+    """The representative of ``x`` in a union-find forest (``parent[i] == i`` at a root),
+    halving the path on the way.
+
+    Example:
+        >>> parent = [0, 0, 1, 3]  # 2 -> 1 -> 0; 3 alone
+        >>> find_root(parent, 2), find_root(parent, 3), parent
+        (0, 3, [0, 0, 0, 3])
+    """
+    while parent[x] != x:
+        parent[x] = parent[parent[x]]
+        x = parent[x]
+    return x
+
+
 def build_graph(traced: Traced, axis_sizes: Mapping[str, int]) -> Graph:
     """Flatten a traced program into a Graph.
 

@@ -21,18 +21,42 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxshard.cost import ring_bytes
+
 KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
 _INSTRUCTION = re.compile(r"=\s*[^=]*?\b(" + "|".join(KINDS) + r")(?:-start)?\(")
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s+(" + "|".join(KINDS) + r")(-start)?\((.*)$")
-_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64|c64|c128)\[([\d,]*)\]")
-_BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32,
-         "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128}  # fmt: skip
+# Bytes per element of each HLO element type. Sub-byte types (s2/s4/u4, fp4) occupy a byte
+# each in XLA's buffers (ShapeUtil::ByteSizeOfPrimitiveType), so a byte is what moves.
+DTYPE_BYTES = {
+    "pred": 1, "s1": 1, "u1": 1, "s2": 1, "u2": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1,
+    "f4e2m1fn": 1, "f8e3m4": 1, "f8e4m3": 1, "f8e4m3fn": 1, "f8e4m3b11fnuz": 1,
+    "f8e4m3fnuz": 1, "f8e5m2": 1, "f8e5m2fnuz": 1, "f8e8m0fnu": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _CALLS = re.compile(
     r"\b(body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)"
 )
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+def shape_bytes(type_text: str) -> list[int]:
+    """Bytes of each array in an HLO type (a tuple type gives one entry per element;
+    tokens and other non-array types give none).
+
+    Example:
+        >>> shape_bytes("(f32[8,16]{1,0}, bf16[4]{0}, f8e4m3fn[8]{0})")
+        [512, 8, 8]
+    """
+    return [
+        math.prod(int(d) for d in dims.split(",") if d) * DTYPE_BYTES[dtype]
+        for dtype, dims in _ARRAY.findall(type_text)
+        if dtype in DTYPE_BYTES
+    ]
 
 
 def hlo_collectives(hlo_text: str) -> Counter:
@@ -70,15 +94,9 @@ class Collective:
         all-reduce 2(n-1)/n·S, all-gather and all-to-all (n-1)/n·S, reduce-scatter (n-1)·S
         (S its scattered result), collective-permute S; 0 for a group of one."""
         n, s = self.group, self.bytes
-        if self.kind == "collective-permute":
-            return float(s)
-        if n <= 1:
+        if n <= 1 and self.kind != "collective-permute":
             return 0.0
-        if self.kind == "all-reduce":
-            return 2 * (n - 1) / n * s
-        if self.kind == "reduce-scatter":
-            return float((n - 1) * s)
-        return (n - 1) / n * s
+        return ring_bytes(self.kind, n, n * s if self.kind == "reduce-scatter" else s)
 
     def __str__(self) -> str:
         runs = (
@@ -210,8 +228,13 @@ def _mesh_groups(mesh_text: str, ids_text: str | None, axes_text: str) -> list[l
     return np.transpose(ids.reshape(refined), rest + chosen).reshape(-1, group).tolist()
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
-    """HLO text split into computations: ``{name: instruction lines}``, and the entry."""
+def computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    r"""HLO text split into computations: ``{name: instruction lines}``, and the entry.
+
+    Example:
+        >>> computations("ENTRY %main (a: f32[]) -> f32[] {\n  ROOT %n = f32[] negate(%a)\n}")
+        ({'main': ['  ROOT %n = f32[] negate(%a)']}, 'main')
+    """
     comps: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -227,9 +250,14 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
     return comps, entry
 
 
-def _trip_count(line: str, comps: dict[str, list[str]], condition: str | None) -> int | None:
+def trip_count(line: str, comps: dict[str, list[str]], condition: str | None) -> int | None:
     """A while instruction's trip count: XLA's ``known_trip_count``, else the one constant
-    a ``counter < N`` condition compares with, else None."""
+    a ``counter < N`` condition compares with, else None.
+
+    Example:
+        >>> trip_count('%w = while(%t), backend_config={"known_trip_count":{"n":"12"}}', {}, None)
+        12
+    """
     m = _TRIP.search(line)
     if m:
         return int(m.group(1))
@@ -256,7 +284,7 @@ def computation_runs(hlo_text: str) -> dict[str, int | None]:
         >>> sorted(computation_runs(text).items())
         [('body', 12), ('c', 12), ('main', 1), ('sum', 12)]
     """
-    comps, entry = _computations(hlo_text)
+    comps, entry = computations(hlo_text)
     callers: dict[str, list[tuple[str, int | None]]] = defaultdict(list)
     for name, lines in comps.items():
         for line in lines:
@@ -265,7 +293,7 @@ def computation_runs(hlo_text: str) -> dict[str, int | None]:
             for key, callee in calls:
                 factor = 1
                 if key in ("body", "condition") and " while(" in line:
-                    factor = _trip_count(line, comps, named.get("condition"))
+                    factor = trip_count(line, comps, named.get("condition"))
                 callers[callee].append((name, factor))
             for group in _BRANCHES.findall(line):
                 for callee in re.findall(r"%([\w.\-]+)", group):
@@ -299,7 +327,7 @@ def compiled_collectives(hlo_text: str, mesh) -> list[Collective]:
     """
     out = []
     n = mesh.devices.size
-    comps, _ = _computations(hlo_text)
+    comps, _ = computations(hlo_text)
     runs = computation_runs(hlo_text)
     for name, lines in comps.items() or [("", hlo_text.splitlines())]:
         times = runs.get(name, 1)
@@ -312,12 +340,10 @@ def compiled_collectives(hlo_text: str, mesh) -> list[Collective]:
             groups = _parse_groups(rest, n)
             axes = _groups_to_axes(groups, mesh) if groups else frozenset({"?"})
             size = len(next(iter(groups), [])) if groups else 0
-            shapes = _SHAPE.findall(result)
+            sizes = shape_bytes(result)
             if start and kind == "all-gather":
-                shapes = shapes[len(shapes) // 2 :]  # -start returns (operands, results)
+                sizes = sizes[len(sizes) // 2 :]  # -start returns (operands, results)
             elif start and kind == "collective-permute":
-                shapes = shapes[:1]
-            for dtype, dims in shapes:
-                local = math.prod(int(d) for d in dims.split(",") if d) * _BITS[dtype] // 8
-                out.append(Collective(kind, axes, local, size, times))
+                sizes = sizes[:1]
+            out.extend(Collective(kind, axes, local, size, times) for local in sizes)
     return out

@@ -87,16 +87,6 @@ def merge_dim(a: DimSharding, b: DimSharding) -> tuple[DimSharding, bool]:
     return a, True
 
 
-def is_more_specific(a: DimSharding, b: DimSharding) -> bool:
-    """True if ``a`` carries strictly more information than ``b`` (b open, a known).
-
-    Example:
-        >>> is_more_specific((), None), is_more_specific(("x",), ())
-        (True, False)
-    """
-    return b is None and a is not None
-
-
 def spec_entry(dim: DimSharding) -> object:
     """The PartitionSpec entry for one dim state.
 

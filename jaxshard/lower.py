@@ -31,7 +31,7 @@ from jax.extend.core import primitives as prims
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxshard.lattice import to_spec
-from jaxshard.plan import Plan, _gc_paused, auto_view
+from jaxshard.plan import Plan, auto_view, gc_paused
 from jaxshard.rule import FactorKind, primitive, region_fn_for
 
 
@@ -208,6 +208,23 @@ def pinned_values(plan: Plan) -> set[int]:
     return pinned
 
 
+def program_name(traced) -> str:
+    """The name of the traced user function, for the lowered program (XLA dumps and
+    profiles name modules by it); "jaxshard_step" when JAX recorded none.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxshard.trace import trace
+        >>> def train_step(x):
+        ...     return x * 2
+        >>> program_name(trace(train_step, (jnp.ones(2),), {}))
+        'train_step'
+    """
+    info = traced.jaxpr.jaxpr.debug_info
+    name = info.func_name if info is not None else ""
+    return name if name.isidentifier() else "jaxshard_step"
+
+
 class Lowered:
     """The jitted, sharded program of a plan and the shardings it takes and returns.
 
@@ -222,9 +239,10 @@ class Lowered:
         self._named: dict[tuple, NamedSharding] = {}
         self.in_shardings = tuple(self._sharding(d) for d in plan.flat_in_dims())
         self.out_shardings = tuple(self._sharding(d) for d in plan.out_dims)
-        with _gc_paused():
+        with gc_paused():
             self.jaxpr = self._rewrite_program(plan)
         n_in, n_out = len(self.in_shardings), len(self.out_shardings)
+        name = program_name(plan.traced)
         params = dict(
             jaxpr=self.jaxpr,
             # the enclosing jax.jit carries the argument and result shardings; repeating
@@ -235,13 +253,18 @@ class Lowered:
             out_layouts=(None,) * n_out,
             donated_invars=(False,) * n_in,
             ctx_mesh=self.mesh,
-            name=getattr(plan.traced, "name", "jaxshard_step"),
+            name=name,
             keep_unused=False,
             inline=False,
             compiler_options_kvs=(),
         )
+
+        def program(*flat):
+            return tuple(jit_p.bind(*flat, **params))
+
+        program.__name__ = program.__qualname__ = name  # names the module: jit_<name>
         self.jitted = jax.jit(
-            lambda *flat: tuple(jit_p.bind(*flat, **params)),
+            program,
             in_shardings=self.in_shardings,
             out_shardings=self.out_shardings,
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +23,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxshard.annotate import Pin, match_hints, merge_pins
 from jaxshard.cost import (
     CostModel,
+    PlannedCollective,
     executions,
     in_while_loop,
     nbytes,
     per_device_bytes,
-    reshard_cost,
+    reshard_collectives,
     step_bytes,
 )
 from jaxshard.errors import ShardingError
@@ -39,8 +40,9 @@ from jaxshard.trace import Traced, auto_view, trace_on_mesh  # noqa: F401 (auto_
 
 @dataclass(frozen=True)
 class Reshard:
-    """A predicted collective: at application ``app``, value ``vid`` moves ``src``->``dst``
-    (after summing pending ``partial`` reductions), moving ``bytes`` per device each time
+    """A predicted reshard: at application ``app``, value ``vid`` moves ``src``->``dst``
+    (after summing pending ``partial`` reductions) by the collectives ``steps``, moving
+    ``bytes`` per device each time
     the equation runs: ``runs`` times per call (the lengths of the scans around it). In a
     while loop (``in_while``) the trip count is not known when planning, and ``runs``
     counts the loop once."""
@@ -51,10 +53,15 @@ class Reshard:
     dst: tuple[DimSharding, ...]
     partial: frozenset[str]
     bytes: float
-    collectives: tuple[str, ...]
+    steps: tuple[PlannedCollective, ...]
     where: str
     runs: int = 1
     in_while: bool = False
+
+    @property
+    def collectives(self) -> tuple[str, ...]:
+        """The collectives as text: ``('all-gather over data',)``."""
+        return tuple(str(s) for s in self.steps)
 
     @property
     def call_bytes(self) -> float:
@@ -73,35 +80,66 @@ def mesh_axis_sizes(mesh: Mesh) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.devices.shape))
 
 
+# The stages above the plan (explaining, verifying) register their entry points here, so
+# `Plan.explain` and `Plan.verify` reach them while plan.py imports nothing above itself.
+_STAGES: dict[str, Callable[..., Any]] = {}
+
+
+def register_stage(name: str, fn: Callable[..., Any]) -> None:
+    """Make ``fn`` the implementation of ``Plan.<name>`` (called as ``fn(plan, ...)``).
+
+    Example:
+        >>> register_stage("explain", explain_plan)  # doctest: +SKIP
+    """
+    _STAGES[name] = fn
+
+
+def _stage(name: str) -> Callable[..., Any]:
+    return _STAGES[name]  # registered when the jaxshard package is imported, before any plan
+
+
 class Plan:
     """A complete sharding plan for one function and one set of argument shapes.
 
     Attributes: ``in_specs``/``out_specs`` (pytrees of PartitionSpec shaped like the
-    arguments ``(args, kwargs)``... see `in_specs`), ``reshards``, ``conflicts``.
+    arguments ``(args, kwargs)``... see `in_specs`), ``reshards``, ``conflicts``, and
+    ``search_result``: the `jaxshard.search.SearchResult` of the search that chose this
+    plan's layouts (None for a plan made from hints alone).
     """
 
-    def __init__(self, traced: Traced, graph: Graph, prop: Propagator, mesh: Mesh):
+    def __init__(
+        self,
+        traced: Traced,
+        graph: Graph,
+        prop: Propagator,
+        mesh: Mesh,
+        out_dims: Sequence[tuple[DimSharding, ...]] | None = None,
+    ):
+        # the layouts are copied into tuples: the propagator may go on, the plan may not
         self.traced, self.graph, self.mesh = traced, graph, mesh
         self.axis_sizes = mesh_axis_sizes(mesh)
-        self.dims: list[tuple[DimSharding, ...]] = [tuple(d) for d in prop.state.dims]
-        self.origins: list[list[Origin | None]] = prop.state.origins
+        self.dims: tuple[tuple[DimSharding, ...], ...] = tuple(map(tuple, prop.state.dims))
+        self.origins: tuple[tuple[Origin | None, ...], ...] = tuple(map(tuple, prop.state.origins))
         self.conflicts: list[Conflict] = list(prop.state.conflicts.values())
         self.visits = prop.state.visits
+        self.search_result: Any = None  # set by search_hints before it returns the plan
         self.partial: dict[int, frozenset[str]] = {}
         self.reshards: list[Reshard] = []
         self._runs, self._in_while = executions(graph), in_while_loop(graph)
         self._analyze(prop)
-        self.out_dims = [self.dims[v] for v in graph.out_vids]
-        for i, o in graph.ties:  # the new value of an argument keeps its layout...
-            if graph.out_vids[o] not in prop.hinted:  # ...unless the user pinned the result
-                self.out_dims[o] = self.dims[graph.in_vids[i]]
+        if out_dims is None:
+            out_dims = [self.dims[v] for v in graph.out_vids]
+            for i, o in graph.ties:  # the new value of an argument keeps its layout...
+                if graph.out_vids[o] not in prop.hinted:  # ...unless the user pinned the result
+                    out_dims[o] = self.dims[graph.in_vids[i]]
+        self.out_dims: tuple[tuple[DimSharding, ...], ...] = tuple(out_dims)
 
     def _analyze(self, prop: Propagator) -> None:
         g = self.graph
         seen: set = set()
-        dead = _dead_apps(g)
+        dead = dead_apps(g)
         for a, app in enumerate(g.apps):
-            if a in dead or _duplicate(app, seen) or prop.settled(a):
+            if a in dead or duplicate_app(app, seen) or prop.settled(a):
                 continue  # XLA drops it or computes it once; or it needs no reshard
             wants: dict[int, list[DimSharding]] = {}
             working, axes = prop.working(a)
@@ -120,10 +158,13 @@ class Plan:
 
     def _add_reshard(self, a, vid, src, dst, partial) -> None:
         g = self.graph
-        cost, ops = reshard_cost(g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes, partial)
-        if ops:
+        steps = reshard_collectives(
+            g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes, partial
+        )
+        if steps:
+            cost = sum(s.bytes for s in steps) + 0.0
             self.reshards.append(
-                Reshard(a, vid, src, dst, partial, cost, tuple(ops), g.apps[a].describe(),
+                Reshard(a, vid, src, dst, partial, cost, tuple(steps), g.apps[a].describe(),
                         self._runs[a], self._in_while[a])
             )  # fmt: skip
 
@@ -280,9 +321,7 @@ class Plan:
             >>> plan.verify().surprises  # doctest: +SKIP
             []
         """
-        from jaxshard.verify import verify
-
-        return verify(self, lowered)
+        return _stage("verify")(self, lowered)
 
     def explain(self, intermediates: bool = False) -> str:
         """A readable table of every argument and result (and, with ``intermediates``,
@@ -292,13 +331,16 @@ class Plan:
         Example:
             >>> print(plan.explain())  # doctest: +SKIP
         """
-        from jaxshard.explain import explain_plan
-
-        return explain_plan(self, intermediates=intermediates)
+        return _stage("explain")(self, intermediates=intermediates)
 
 
-def _dead_apps(g: Graph) -> set[int]:
-    """Equations whose results nothing uses (JAX's tracing keeps them; XLA removes them)."""
+def dead_apps(g: Graph) -> set[int]:
+    """Equations whose results nothing uses (JAX's tracing keeps them; XLA removes them).
+
+    Example:
+        >>> dead_apps(plan.graph)  # doctest: +SKIP
+        {12, 13}
+    """
     readers = [0] * len(g.shapes)
     for app in g.apps:
         for v in app.operands:
@@ -332,9 +374,16 @@ def _dead_apps(g: Graph) -> set[int]:
     return dead
 
 
-def _duplicate(app, seen: set) -> bool:
+def duplicate_app(app, seen: set) -> bool:
     """True for an equation identical to an earlier one (same primitive, operands and
-    params), which XLA's common-subexpression elimination merges."""
+    params), which XLA's common-subexpression elimination merges; ``seen`` collects the
+    equations met so far.
+
+    Example:
+        >>> seen = set()
+        >>> [duplicate_app(app, seen) for app in plan.graph.apps]  # doctest: +SKIP
+        [False, False, True]
+    """
     if app.eqn is None:
         return False
     try:
@@ -434,13 +483,43 @@ def make_plan(
     (`jaxshard.cost.CostModel`) prices conflicts in time over the mesh axes instead of
     bytes moved.
     """
-    sizes = mesh_axis_sizes(mesh)
-    traced = trace_on_mesh(fn, args, kwargs, mesh)
-    with _gc_paused():
-        graph = build_graph(traced, sizes)
+    traced, graph = trace_graph(fn, args, kwargs, mesh)
+    with gc_paused():
         if saved is not None:
             return _replan(traced, graph, mesh, saved)
         return plan_from_graph(traced, graph, mesh, hints, cost_model)
+
+
+def trace_graph(fn: Callable, args: tuple, kwargs: dict, mesh: Mesh) -> tuple[Traced, Graph]:
+    """Trace ``fn(*args, **kwargs)`` on ``mesh`` (`trace_on_mesh`: its Auto view, as the
+    lowered program will replay it, or the Explicit mesh for code in explicit-sharding
+    style) and build its graph: the first stages of every plan and search.
+
+    Example:
+        >>> traced, graph = trace_graph(lambda x: x * 2, (jnp.ones(4),), {}, mesh)  # doctest: +SKIP
+    """
+    traced = trace_on_mesh(fn, args, kwargs, mesh)
+    with gc_paused():
+        return traced, build_graph(traced, mesh_axis_sizes(mesh))
+
+
+def hint_pins(
+    traced: Traced, graph: Graph, hints: Mapping[str, PartitionSpec], axis_sizes: Mapping[str, int]
+) -> dict[int, Pin]:
+    """Per value id, what is pinned: the graph's own pins (`jaxshard.hint` and sharding
+    constraints inside the function) merged with the ``hints`` matched on argument and
+    result paths; two pins of one dim that disagree are an error naming both.
+
+    Example:
+        >>> pins = hint_pins(traced, graph, {"x": P("data")}, {"data": 2})  # doctest: +SKIP
+    """
+    names = list(traced.in_names) + list(traced.out_names)
+    vids = list(graph.in_vids) + list(graph.out_vids)
+    pins: dict[int, Pin] = dict(graph.pins)
+    for i, pin in match_hints(hints, names, [graph.shapes[v] for v in vids], axis_sizes).items():
+        vid = vids[i]
+        pins[vid] = merge_pins(pins[vid], pin, names[i]) if vid in pins else pin
+    return pins
 
 
 def plan_from_graph(
@@ -453,42 +532,83 @@ def plan_from_graph(
     """Propagate hints over an already built graph and decide what is left (no tracing):
     the planning half of `make_plan`, for callers that plan one graph several times.
 
+    A hint that `split_storage` reads as a storage layout is also planned with its axes
+    on the computation (expert parallelism puts the experts dim on the batch's axis on
+    purpose); the plan that moves fewer bytes is kept.
+
     Example:
         >>> plan = plan_from_graph(traced, graph, mesh, {"x": P("data")})  # doctest: +SKIP
     """
     sizes = mesh_axis_sizes(mesh)
-    names = list(traced.in_names) + list(traced.out_names)
-    vids = list(graph.in_vids) + list(graph.out_vids)
-    pins: dict[int, Pin] = dict(graph.pins)
-    for i, pin in match_hints(hints or {}, names, [graph.shapes[v] for v in vids], sizes).items():
-        vid = vids[i]
-        pins[vid] = merge_pins(pins[vid], pin, names[i]) if vid in pins else pin
+    pins = hint_pins(traced, graph, hints or {}, sizes)
     compute, storage = split_storage(pins, graph)
-    plan = _propagate(traced, graph, mesh, compute, storage, cost_model)
+    plan = decide(traced, graph, propagate_pins(graph, sizes, compute, storage, cost_model), mesh)
     groups: dict[str, list[int]] = {}  # storage pins by the hint that made them
     for vid in storage:
         groups.setdefault(pins[vid].source, []).append(vid)
-    for vids in groups.values():  # each hint's axes shard the computation instead?
+    for vids in groups.values():  # this hint's axes on the computation instead?
         trial_compute = {**compute, **{v: pins[v] for v in vids}}
         trial_storage = {v: p for v, p in storage.items() if v not in vids}
-        trial = _propagate(traced, graph, mesh, trial_compute, trial_storage, cost_model)
+        prop = propagate_pins(graph, sizes, trial_compute, trial_storage, cost_model)
+        trial = decide(traced, graph, prop, mesh)
         if trial.predicted_bytes < plan.predicted_bytes:
             plan, compute, storage = trial, trial_compute, trial_storage
     return plan
 
 
-def _propagate(traced, graph, mesh, compute, storage, cost_model) -> Plan:
+def propagate_hints(
+    traced: Traced,
+    graph: Graph,
+    mesh: Mesh,
+    hints: Mapping[str, PartitionSpec] | None = None,
+    cost_model: CostModel | None = None,
+) -> Propagator:
+    """Pin the hints (`hint_pins`) and propagate them to a fixed point: the computation's
+    layout first, then the storage layouts (`split_storage`).
+
+    Example:
+        >>> prop = propagate_hints(traced, graph, mesh, {"x": P("data")})  # doctest: +SKIP
+    """
+    sizes = mesh_axis_sizes(mesh)
+    compute, storage = split_storage(hint_pins(traced, graph, hints or {}, sizes), graph)
+    return propagate_pins(graph, sizes, compute, storage, cost_model)
+
+
+def propagate_pins(
+    graph: Graph,
+    axis_sizes: Mapping[str, int],
+    compute: Mapping[int, Pin],
+    storage: Mapping[int, Pin],
+    cost_model: CostModel | None = None,
+) -> Propagator:
     """Propagation from the computation's pins to a fixed point, then from the storage
-    pins (`split_storage`), then defaults: the plan."""
-    prop = Propagator(graph, mesh_axis_sizes(mesh), cost_model)
+    pins at `STORAGE_RANK` into what is still open.
+
+    Example:
+        >>> prop = propagate_pins(graph, {"data": 2}, {0: pin}, {})  # doctest: +SKIP
+    """
+    prop = Propagator(graph, axis_sizes, cost_model)
     for vid, pin in compute.items():
         prop.pin(vid, pin)
     prop.run()  # the computation's layout first: it outranks every storage layout
     for vid, pin in storage.items():
         prop.pin(vid, pin, STORAGE_RANK)
     prop.run()
-    prop.default(graph.in_vids, "replicated: no hint or propagation reached it")
-    prop.default(range(len(graph.shapes)), "replicated: no hint or propagation reached it")
+    return prop
+
+
+UNREACHED = "replicated: no hint or propagation reached it"
+
+
+def decide(traced: Traced, graph: Graph, prop: Propagator, mesh: Mesh) -> Plan:
+    """Settle what propagation left open (replicated: arguments first, then the rest)
+    and make the `Plan`.
+
+    Example:
+        >>> plan = decide(traced, graph, propagate_hints(traced, graph, mesh), mesh)  # doctest: +SKIP
+    """
+    prop.default(graph.in_vids, UNREACHED)
+    prop.default(range(len(graph.shapes)), UNREACHED)
     return Plan(traced, graph, prop, mesh)
 
 
@@ -558,15 +678,21 @@ def _replan(traced: Traced, graph: Graph, mesh: Mesh, saved: SavedPlan) -> Plan:
     prop = Propagator(graph, mesh_axis_sizes(mesh))
     for vid, dims in enumerate(saved.record["dims"]):
         prop.pin(vid, Pin(_dims_from_json(dims), "saved plan"))
-    plan = Plan(traced, graph, prop, mesh)
-    plan.out_dims = [_dims_from_json(d) for d in saved.record["out_dims"]]
-    return plan
+    out_dims = [_dims_from_json(d) for d in saved.record["out_dims"]]
+    return Plan(traced, graph, prop, mesh, out_dims)
 
 
 @contextlib.contextmanager
-def _gc_paused():
+def gc_paused():
     """Planning allocates many small, long-lived objects; Python's cyclic collector would
-    rescan them over and over (a third of planning time on a 12-layer GPT)."""
+    rescan them over and over (a third of planning time on a 12-layer GPT).
+
+    Example:
+        >>> import gc
+        >>> with gc_paused():
+        ...     gc.isenabled()
+        False
+    """
     enabled = gc.isenabled()
     gc.disable()
     try:

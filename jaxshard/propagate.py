@@ -25,7 +25,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from jaxshard.annotate import Pin
-from jaxshard.cost import CostModel, reshard_collectives, reshard_cost
+from jaxshard.cost import CostModel, reshard_collectives
 from jaxshard.errors import JaxshardBug
 from jaxshard.graph import Graph
 from jaxshard.lattice import Axes, DimSharding, format_dim, join_axes, split_axes
@@ -33,8 +33,11 @@ from jaxshard.rule import FactorKind
 
 NEED = FactorKind.NEED_REPLICATION
 
-# a round's proposed write to one (value, dim): the sharding, the application proposing
-# it, the (value, dim) it came from, and whether the proposer need not be visited again
+
+# A round's proposed write to one (value, dim): (axes proposed, the application proposing
+# them, the value and dim they came from (-1, -1: none), quiet: the proposer need not be
+# visited again after this write, see `_apply`). A plain tuple, unpacked by these names
+# where read: the hot loop makes one per written dim, and a NamedTuple costs 5x to build.
 Proposal = tuple[Axes, int, int, int, bool]
 
 
@@ -43,6 +46,18 @@ Proposal = tuple[Axes, int, int, int, bool]
 # else (FSDP: a weight dim on the batch's axis): where it meets a layout derived from the
 # other hints, the other hints win and the stored value is resharded at its use.
 HINT_RANK, STORAGE_RANK, DEFAULT_RANK = 2, 1, 0
+
+
+class ConflictKey(NamedTuple):
+    """Where a conflict was decided, so one decision is recorded once: a factor of an
+    application (``axis`` set when the conflict is over one mesh axis given to several
+    factors), or a dim of a value reached differently in one round (``app`` is None)."""
+
+    app: int | None
+    factor: int = -1  # the rule's factor index (for an application)
+    axis: str = ""
+    value: int = -1  # for a value: its id...
+    dim: int = -1  # ...and the dim
 
 
 class Origin(NamedTuple):
@@ -79,7 +94,7 @@ class State:
 
     dims: list[list[DimSharding]]
     origins: list[list[Origin | None]]
-    conflicts: dict[tuple, Conflict] = field(default_factory=dict)  # per (app, factor[, axis])
+    conflicts: dict[ConflictKey, Conflict] = field(default_factory=dict)
     visits: int = 0
 
 
@@ -234,7 +249,7 @@ class Propagator:
             if state[d] is not None:
                 continue
             first = props[0]
-            axes = first[0]
+            axes, first_app, _, _, first_quiet = first
             if len(props) > 1 and any(p[0] != axes for p in props):
                 axes, origin = self._resolve_value(vid, d, props)
             else:
@@ -249,24 +264,24 @@ class Propagator:
             state[d] = axes
             origins[vid][d] = origin
             if len(props) == 1:
-                skip = first[1] if first[4] else -1
+                skip = first_app if first_quiet else -1
                 for u in uses[vid]:
                     if not queued[u] and u != skip:
                         queued[u] = 1
                         queue.append(u)
             else:
-                quiet = {p[1] for p in props if p[4] and p[0] == axes}
+                quiet = {app for p_axes, app, _, _, q in props if q and p_axes == axes}
                 for u in uses[vid]:
                     if not queued[u] and u not in quiet:
                         queued[u] = 1
                         queue.append(u)
 
     def _origin(self, proposal: Proposal) -> Origin:
-        _, a, src, src_dim, _ = proposal
+        _, app, src, src_dim, _ = proposal
         root = self.state.origins[src][src_dim] if src >= 0 else None
         return Origin(
             "propagated",
-            app=a,
+            app=app,
             source=src,
             source_dim=src_dim,
             rank=DEFAULT_RANK if root is None else root.rank,
@@ -284,7 +299,7 @@ class Propagator:
         chosen, reason = self._decide(pool, options, ranked=top > DEFAULT_RANK)
         name = self.graph.names.get(vid, f"%{vid}")
         origin = max((o for axes, o in props if axes == chosen), key=lambda o: o.rank)
-        self.state.conflicts[(-1 - vid, d)] = Conflict(
+        self.state.conflicts[ConflictKey(None, value=vid, dim=d)] = Conflict(
             origin.app,
             f"dim {d} of {name}",
             options,
@@ -434,7 +449,9 @@ class Propagator:
         results = set(self.graph.apps[a].results)
         chosen, reason = self._decide(pool, options, results, ranked=top > DEFAULT_RANK)
         name = self.graph.apps[a].rule.factors[f].name
-        self.state.conflicts[(a, f)] = Conflict(a, f"factor {name}", options, chosen, reason)
+        self.state.conflicts[ConflictKey(a, f)] = Conflict(
+            a, f"factor {name}", options, chosen, reason
+        )
         return chosen
 
     def _give_each_axis_once(
@@ -478,7 +495,7 @@ class Propagator:
                 if loser == chosen:
                     continue
                 kept = tuple(x for x in values[loser] if x != axis)
-                self.state.conflicts[(a, loser, axis)] = Conflict(
+                self.state.conflicts[ConflictKey(a, loser, axis)] = Conflict(
                     a,
                     f"factor {factors[loser].name} (mesh axis {axis!r} also shards factor "
                     f"{factors[chosen].name}; one axis goes to one factor)",
@@ -526,10 +543,10 @@ class Propagator:
         """What moving value ``vid`` from ``src`` to ``dst`` costs: bytes per device, or
         seconds under the cost model."""
         shape, dtype, sizes = self.graph.shapes[vid], self.graph.dtypes[vid], self.axis_sizes
-        if self.cost_model is None:
-            return reshard_cost(shape, dtype, src, dst, sizes, partial)[0]
         steps = reshard_collectives(shape, dtype, src, dst, sizes, partial)
-        return sum(self.cost_model.collective_time(over, nbytes) for _, over, nbytes in steps)
+        if self.cost_model is None:
+            return sum(s.bytes for s in steps) + 0.0
+        return sum(self.cost_model.collective_time(s.axes, s.bytes) for s in steps)
 
     def _shown(self, cost: float) -> str:
         return f"{cost:.0f} B" if self.cost_model is None else f"{cost * 1e6:.2f} µs"
@@ -588,13 +605,13 @@ class Propagator:
                 values[f] = ()
         writable = self._struct[a][2]
         changed = bool(self._struct[a][1])
-        while changed:
+        while changed:  # a drop in one compound dim can make another one inexact
             changed = False
             for _, _, fl, sizes in writable:
                 if len(fl) > 1:
                     _, exact = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
                     if not exact:
-                        changed = self._drop_unexpressible(values, fl, sizes)
+                        changed |= self._drop_unexpressible(values, fl, sizes)
         vids = self._vids[a]
         out = []
         for t, d, fl, sizes in writable:

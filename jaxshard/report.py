@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxshard.cost import nbytes, per_device_bytes
-from jaxshard.explain import human_bytes, runs_text, while_note
+from jaxshard.cost import human_bytes, nbytes, per_device_bytes
+from jaxshard.explain import runs_text, while_note
 from jaxshard.lattice import DimSharding, to_spec
 
 if TYPE_CHECKING:

@@ -41,31 +41,33 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxshard.annotate import Pin, match_hints, merge_pins
 from jaxshard.cost import (
     CostModel,
     Liveness,
     MemoryEstimate,
     executions,
+    human_bytes,
     liveness,
     memory_estimate,
     nbytes,
     reshard_collectives,
+    ring_bytes,
     step_bytes,
 )
 from jaxshard.errors import JaxshardBug, ShardingError, warn
-from jaxshard.graph import build_graph
+from jaxshard.graph import find_root
 from jaxshard.lattice import Axes, spec_entry, to_spec
 from jaxshard.plan import (
     Plan,
-    _dead_apps,
-    _duplicate,
-    _gc_paused,
+    dead_apps,
+    duplicate_app,
+    gc_paused,
+    hint_pins,
     mesh_axis_sizes,
     plan_from_graph,
+    trace_graph,
 )
 from jaxshard.rule import FactorKind
-from jaxshard.trace import trace_on_mesh
 
 # Chosen hints carry this regex comment into the plan, so an origin reads
 # hint 'params/layers/0/attn/wq(?#jaxshard search)': P(None, 'model')
@@ -193,10 +195,8 @@ def search_hints(
     t0 = time.perf_counter()
     say = progress or _LateProgress(t0)
     hints = dict(hints or {})
-    sizes = mesh_axis_sizes(mesh)
-    traced = trace_on_mesh(fn, args, kwargs, mesh)  # as make_plan does
-    with _gc_paused():
-        graph = build_graph(traced, sizes)
+    traced, graph = trace_graph(fn, args, kwargs, mesh)
+    with gc_paused():
         say(f"traced {len(graph.apps)} equations, {len(graph.shapes)} values "
             f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
         problem = _Problem(traced, graph, mesh, hints, cost_model or CostModel(), memory_budget)
@@ -227,16 +227,16 @@ def search_hints(
                 status = "the smallest-memory layout: the model put every layout over budget"
                 break
             plan, memory = propagated(choice)
-            say(f"propagated: {step_bytes(plan) / 2**20:.1f} MiB of collectives, "
-                f"{memory.total / 2**20:.1f} MiB of memory per device "
+            say(f"propagated: {human_bytes(step_bytes(plan))} of collectives, "
+                f"{human_bytes(memory.total)} of memory per device "
                 f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
             if memory_budget is None or memory.total <= memory_budget or not optimal:
                 break
             modeled = problem.memory(choice).total
             problem.budget *= min(modeled / memory.total, 0.999)
-            say(f"propagation needs {memory.total / 2**20:.1f} MiB, the model said "
-                f"{modeled / 2**20:.1f} MiB: searching again within "
-                f"{problem.budget / 2**20:.1f} MiB")  # fmt: skip
+            say(f"propagation needs {human_bytes(memory.total)}, the model said "
+                f"{human_bytes(modeled)}: searching again within "
+                f"{human_bytes(problem.budget)}")  # fmt: skip
         else:
             memory, plan, choice = min(tried, key=lambda t: t[0].total)
             _raise_over_budget(problem, memory_budget, memory, plan)
@@ -248,10 +248,12 @@ def search_hints(
         )
     est_time, est_bytes = problem.comm(choice)
     text = problem.explain(choice, plan, memory, optimal, status, seconds)
-    return SearchResult(
+    result = SearchResult(
         problem.hints_for(choice), step_bytes(plan), memory.total, seconds, optimal, text,
         est_bytes, est_time / _US, memory, plan,
     )  # fmt: skip
+    plan.search_result = result
+    return result
 
 
 class _LateProgress:
@@ -283,26 +285,17 @@ def _raise_over_budget(problem, budget, memory: MemoryEstimate, plan: Plan) -> N
     after propagation) and its layout."""
     specs = jax.tree.leaves(plan.in_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     shown = [f"{n}: {s}" for n, s in zip(problem.traced.in_names, specs) if tuple(s)]
+    size = lambda n: human_bytes(n, 2)  # noqa: E731
     raise ShardingError(
-        f"no layout fits the memory budget of {_size(budget)} per device: the smallest "
-        f"footprint jaxshard finds on this mesh is {_size(memory.total)} "
-        f"({memory.total} bytes) per device (arguments {_size(memory.arguments)}, results "
-        f"{_size(memory.results)}, peak activations {_size(memory.activations)}; estimated "
+        f"no layout fits the memory budget of {size(budget)} per device: the smallest "
+        f"footprint jaxshard finds on this mesh is {size(memory.total)} ({memory.total} bytes) "
+        f"per device (arguments {size(memory.arguments)}, results {size(memory.results)}, "
+        f"peak activations {size(memory.activations)}; estimated "
         "by jaxshard.cost.memory_estimate), with "
         + ", ".join(shown[:6])
         + (", ..." if len(shown) > 6 else "")
         + ". Raise the budget to at least that, use a larger mesh, or shrink the batch."
     ) from None
-
-
-def _size(n: float) -> str:
-    """Bytes as MiB (KiB below 1 MiB), three significant digits or more.
-
-    Example:
-        >>> _size(3 * 2**20), _size(1536), _size(1234.5 * 2**20)
-        ('3.00 MiB', '1.50 KiB', '1234.50 MiB')
-    """
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.2f} KiB"
 
 
 def group_key(path: str) -> str:
@@ -351,7 +344,7 @@ class _Problem:
         self.traced, self.graph, self.mesh = traced, graph, mesh
         self.sizes = mesh_axis_sizes(mesh)
         self.cost_model, self.budget = cost_model, memory_budget
-        self.dead = _dead_apps(graph)
+        self.dead = dead_apps(graph)
         self.live: Liveness = liveness(graph, self.dead)
         self.user_budget = memory_budget
         self._pins(hints)
@@ -369,14 +362,7 @@ class _Problem:
     # --- dim classes -------------------------------------------------------------------
 
     def _pins(self, hints) -> None:
-        g, t = self.graph, self.traced
-        names = list(t.in_names) + list(t.out_names)
-        vids = list(g.in_vids) + list(g.out_vids)
-        shapes = [g.shapes[v] for v in vids]
-        pins: dict[int, Pin] = dict(g.pins)
-        for i, pin in match_hints(hints, names, shapes, self.sizes).items():
-            vid = vids[i]
-            pins[vid] = merge_pins(pins[vid], pin, names[i]) if vid in pins else pin
+        pins = hint_pins(self.traced, self.graph, hints, self.sizes)
         self.pins: dict[int, tuple] = {v: p.dims for v, p in pins.items()}
 
     def _classes(self) -> None:
@@ -391,12 +377,6 @@ class _Problem:
         for v, shape in enumerate(g.shapes):
             for d, s in enumerate(shape):
                 size[offset[v] + d] = s
-
-        def find(x: int) -> int:
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
 
         majors: dict[int, list[tuple[int, int]]] = {}  # per rule: (tensor, dim, factor)
         for app in g.apps:
@@ -413,7 +393,7 @@ class _Problem:
             vids = (*app.operands, *app.results)
             first: dict[int, int] = {}
             for t, d, f in entries:
-                k = find(int(offset[vids[t]]) + d)
+                k = find_root(parent, int(offset[vids[t]]) + d)
                 fs = rule.factors[f].size
                 if size[k] % fs:
                     size[k] = math.gcd(size[k], fs)
@@ -421,12 +401,12 @@ class _Problem:
                 if other is None:
                     first[f] = k
                     continue
-                other = find(other)
+                other = find_root(parent, other)
                 if other != k:
                     parent[k] = other
                     size[other] = math.gcd(size[other], size[k])
                 first[f] = other
-        self.root = [find(k) for k in range(n)]
+        self.root = [find_root(parent, k) for k in range(n)]
         self.class_size = size
 
     def _key(self, v: int, d: int) -> int:
@@ -635,7 +615,7 @@ class _Problem:
         runs = executions(g)
         special: dict[int, tuple] = {}
         for a, app in enumerate(g.apps):
-            if a in self.dead or _duplicate(app, seen):
+            if a in self.dead or duplicate_app(app, seen):
                 continue
             rule = app.rule
             kinds = special.get(id(rule))
@@ -719,7 +699,7 @@ class _Problem:
                     steps += reshard_collectives(
                         g.shapes[v], g.dtypes[v], layouts[t], dst, self.sizes
                     )
-        seconds = sum(self.cost_model.collective_time(axes, b) for _, axes, b in steps)
+        seconds = sum(self.cost_model.collective_time(s.axes, s.bytes) for s in steps)
         if self.cost_model.flops:
             work = 2 * math.prod(f.size for f in rule.factors)
             split = math.prod(self.sizes[a] for axes in factor_axes.values() for a in axes)
@@ -779,7 +759,7 @@ class _Problem:
                     local = self._leaf_bytes(i) / (2 if i in self.tied else 1) / shards
                     if extra[2] == "all":
                         local *= n_axis
-                    b = (n_axis - 1) / n_axis * local
+                    b = ring_bytes("all-gather", n_axis, local)
                     term.bytes[n] += gathers * b
                     term.time[n] += gathers * _US * self.cost_model.collective_time((extra[1],), b)
 
@@ -853,7 +833,10 @@ class _Problem:
             if result is None:
                 if model.status == highspy.HighsModelStatus.kInfeasible:
                     points = sorted(rows_added)
-                    raise _Infeasible([_smallest_memory(self, points, e) for e in (False, True)])
+                    deadline = t0 + time_limit
+                    raise _Infeasible(
+                        [_smallest_memory(self, points, e, deadline) for e in (False, True)]
+                    )
                 return self._baseline(), False, f"no layout found in time ({model.status_text})"
             choice, is_optimal = result
             optimal &= is_optimal
@@ -865,7 +848,7 @@ class _Problem:
             memory = self.memory(choice)
             if memory.total <= self.budget * (1 + 1e-9) or memory.peak_app in rows_added:
                 break
-            say(f"layout needs {memory.total / 2**20:.1f} MiB at equation {memory.peak_app}: "
+            say(f"layout needs {human_bytes(memory.total)} at equation {memory.peak_app}: "
                 "adding that memory constraint")  # fmt: skip
             model.add_memory_row(*self._activation_row(memory.peak_app), self.static, self.budget)
             rows_added.add(memory.peak_app)
@@ -1068,11 +1051,9 @@ class _Model:
         idx = np.array(list(coef), dtype=np.int32)
         val = np.array(list(coef.values()))
         self.h.addRow(-self.highspy.kHighsInf, float(budget - total), len(idx), idx, val)
-        self.rows = getattr(self, "rows", []) + [(const, rows)]
 
     def allow_extras(self, decisions, allowed: bool) -> None:
         """Allow or forbid every non-None candidate of the extra-axis ``decisions``."""
-        self.extras_allowed = allowed
         cols = np.array([c for d in decisions for c in self.x[d][1:]], dtype=np.int32)
         if len(cols):
             upper = np.ones(len(cols)) if allowed else np.zeros(len(cols))
@@ -1094,10 +1075,13 @@ class _Model:
         return choice, self.status == hs.HighsModelStatus.kOptimal
 
 
-def _smallest_memory(problem: _Problem, points: list[int], extras: bool) -> dict[int, int]:
+def _smallest_memory(
+    problem: _Problem, points: list[int], extras: bool, deadline: float
+) -> dict[int, int]:
     """The layout of least estimated per-device memory, ignoring communication: the
     largest memory over the equations in ``points`` (and each layout's own peak, added
-    as found) is minimized. ``extras``: whether groups may store extra axes."""
+    as found) is minimized. ``extras``: whether groups may store extra axes. The solver
+    stops at ``deadline`` (a `time.perf_counter` time) with the best layout found so far."""
     model = _Model(problem)
     model.allow_extras(range(problem.n_class_decisions, len(problem.decisions)), extras)
     hs, h = model.highspy, model.h
@@ -1115,7 +1099,10 @@ def _smallest_memory(problem: _Problem, points: list[int], extras: bool) -> dict
         bound(t)
     choice = problem._baseline()
     for _ in range(8):
-        found = model.run(10.0, None)
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            break
+        found = model.run(left, None)
         if found is None:
             break
         choice = found[0]

@@ -23,13 +23,15 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 
-from jaxshard.cost import nbytes, shards
+from jaxshard.cost import human_bytes, nbytes, shards
 from jaxshard.hlo import (  # noqa: F401  (hlo_collectives and computation_runs: re-exported)
     Collective,
     compiled_collectives,
     computation_runs,
     hlo_collectives,
 )
+from jaxshard.lower import Lowered
+from jaxshard.plan import register_stage
 
 _WARNINGS = re.compile(
     r"(involuntary full rematerialization|[Ii]nvoluntary|replicat\w+ .*not divisible)"
@@ -43,7 +45,7 @@ def predicted_kinds(plan) -> set[str]:
         >>> predicted_kinds(plan)  # doctest: +SKIP
         {'all-reduce'}
     """
-    return {op.split(" over ")[0] for r in plan.reshards for op in r.collectives}
+    return {step.kind for r in plan.reshards for step in r.steps}
 
 
 def _runs_total(collectives: list[Collective]) -> tuple[int, int]:
@@ -84,8 +86,6 @@ class Verification:
         return not self.surprises
 
     def __str__(self) -> str:
-        from jaxshard.explain import human_bytes
-
         def side(cs: list[Collective], b: float) -> str:
             runs, unknown = _runs_total(cs)
             more = f" + {unknown} in loops of unknown trip count" if unknown else ""
@@ -112,9 +112,8 @@ def predicted_collectives(plan) -> list[Collective]:
     for r in plan.reshards:
         total = nbytes(g.shapes[r.vid], g.dtypes[r.vid])
         before, after = total // shards(r.src, sizes), total // shards(r.dst, sizes)
-        for op in r.collectives:
-            kind, names = op.split(" over ")
-            axes = frozenset(names.split(","))
+        for kind, names, _ in r.steps:
+            axes = frozenset(names)
             # as compiled_collectives counts them: the result of a gather or scatter
             local = after if kind in ("all-gather", "reduce-scatter") else before
             group = math.prod(sizes[a] for a in axes)
@@ -231,8 +230,6 @@ def verify(plan, lowered=None) -> Verification:
     """
     import jax
 
-    from jaxshard.lower import Lowered
-
     if lowered is None:
         program = Lowered(plan)
         avals = [
@@ -252,3 +249,6 @@ def verify(plan, lowered=None) -> Verification:
         predicted, found, unpredicted, missing, warnings,
         plan.predicted_bytes, compiled_bytes, unknown,
     )  # fmt: skip
+
+
+register_stage("verify", verify)

@@ -109,7 +109,9 @@ class Case:
         lines = ["def f(p):", *("    " + line for line in self.body)]
         outs = ", ".join(self.outs)
         if self.state:  # like a train step's new parameters: the same tree as ``p``
-            lines.append("    new = {k: v * 2 if v.dtype == jnp.float32 else v for k, v in p.items()}")
+            lines.append(
+                "    new = {k: v * 2 if v.dtype == jnp.float32 else v for k, v in p.items()}"
+            )
             outs += ", new"
         lines.append(f"    return ({outs},)")
         return "\n".join(lines)

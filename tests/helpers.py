@@ -1,4 +1,11 @@
-"""Comparison helpers: "match" as ../shared/DESIGN.md defines it."""
+"""Comparison helpers: when a sharded run "matches" the unsharded one.
+
+In float32, the loss matches to rtol 1e-5 and each gradient or updated-parameter leaf to
+1e-4 of that leaf's largest magnitude (`assert_leaves_match`): a per-leaf scale, so a
+small leaf is not judged by a large one's error. Compare gradients, or parameters after
+SGD steps, rather than Adam updates: Adam divides by the gradient's own scale, so a
+gradient 4x too large (a missing or doubled reduction) gives the same Adam update.
+"""
 
 import jax
 import numpy as np

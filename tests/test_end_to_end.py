@@ -167,3 +167,18 @@ def test_explain_names_paths_specs_and_origins(gpt_adamw):
     assert "propagated from params/layers/0/attn/wq" in text
     assert "opt_state/0/mu/layers/1/mlp/w2" in text
     assert "predicted communication" in text
+
+
+def test_compiled_programs_are_named_after_the_function(mesh):
+    # XLA dumps and profiles name modules by the program: each step must be told apart
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+
+    def forward_step(x):
+        return jnp.tanh(x)
+
+    def eval_step(x):
+        return jnp.sin(x)
+
+    for fn in (forward_step, eval_step):
+        text = jaxshard.auto_shard(mesh, {"x": P("data")})(fn).lower(x).as_text()
+        assert f"module @jit_{fn.__name__} " in text

@@ -81,8 +81,7 @@ PINNED = {
     "storage-pin-after-propagation-reached-another-dim": Case(
         "data2_model4",
         (Arg("a0", (4, 4), "bool"), Arg("a1", (4, 4), "float32")),
-        ("v0 = jax.lax.select(p['a0'], p['a1'], p['a1'] * 0)",
-         "v0 = jaxshard.hint(v0, P('data'))"),
+        ("v0 = jax.lax.select(p['a0'], p['a1'], p['a1'] * 0)", "v0 = jaxshard.hint(v0, P('data'))"),
         ("v0",),
         {"p/a1": P(P.UNCONSTRAINED, "data")},
         n_ops=2,
@@ -90,14 +89,22 @@ PINNED = {
     ),  # fmt: skip
     "storage-pin-on-a-scan-carry": Case(
         "data2_model4",
-        (Arg("a1", (4, 4, 4), "float32"), Arg("a2", (4, 2), "int32", high=4),
-         Arg("a3", (4, 2), "int32")),
-        ("v0 = jnp.take(p['a1'], p['a2'], axis=0)",
-         "v1 = jnp.broadcast_to(p['a2'], (4, 4, 2))",
-         "v0 = jaxshard.hint(v0, P(P.UNCONSTRAINED, 'data', P.UNCONSTRAINED, P.UNCONSTRAINED))",
-         "def body2(c, x):", "    c = c + x", "    return c, c * x",
-         "v2, v2_ys = jax.lax.scan(body2, p['a3'], v1)",
-         "v3 = v2.reshape((2, 2, 2))", "v4 = v3 + v3"),
+        (
+            Arg("a1", (4, 4, 4), "float32"),
+            Arg("a2", (4, 2), "int32", high=4),
+            Arg("a3", (4, 2), "int32"),
+        ),
+        (
+            "v0 = jnp.take(p['a1'], p['a2'], axis=0)",
+            "v1 = jnp.broadcast_to(p['a2'], (4, 4, 2))",
+            "v0 = jaxshard.hint(v0, P(P.UNCONSTRAINED, 'data', P.UNCONSTRAINED, P.UNCONSTRAINED))",
+            "def body2(c, x):",
+            "    c = c + x",
+            "    return c, c * x",
+            "v2, v2_ys = jax.lax.scan(body2, p['a3'], v1)",
+            "v3 = v2.reshape((2, 2, 2))",
+            "v4 = v3 + v3",
+        ),
         ("v4",),
         {"p/a3": P("data"), "out/0": P()},
         n_ops=6,
@@ -259,7 +266,7 @@ def test_propagating_again_changes_nothing(case):
     prop.state.origins = [list(o) for o in plan.origins]
     prop._enqueue(range(len(plan.graph.apps)))
     prop.run()
-    assert [tuple(d) for d in prop.state.dims] == plan.dims
+    assert tuple(tuple(d) for d in prop.state.dims) == plan.dims
     assert prop.state.visits <= len(plan.graph.apps)  # one round, nothing re-queued
 
 

@@ -7,7 +7,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxshard
-from jaxshard.plan import make_plan
+from jaxshard.annotate import Pin
+from jaxshard.plan import Plan, make_plan
 from jaxshard.propagate import Propagator
 
 X = jax.ShapeDtypeStruct((8, 16), jnp.float32)
@@ -49,7 +50,7 @@ def test_propagating_again_changes_nothing(mesh):
     prop.state.origins = [list(o) for o in plan.origins]
     prop._enqueue(range(len(plan.graph.apps)))
     prop.run()
-    assert [tuple(d) for d in prop.state.dims] == plan.dims
+    assert tuple(tuple(d) for d in prop.state.dims) == plan.dims
 
 
 def test_conflict_keeps_hinted_layouts_and_reshards_the_loser(mesh):
@@ -147,3 +148,39 @@ def test_explain_lists_intermediates_on_request(mesh):
     assert "tanh at" not in plan.explain()
     text = plan.explain(intermediates=True)
     assert "= tanh at" in text and "test_propagation.py" in text and "P('data', 'model')" in text
+
+
+@pytest.mark.parametrize(
+    "x_spec, want_src",
+    [
+        # only the first compound result dim (2*4) needs its minor factor dropped
+        (P(None, "model"), ((), ("model",), (), ())),
+        # the first needs a drop, the second (2*12) does too
+        (P(None, "model", None, "data"), ((), ("model",), (), ("data",))),
+    ],
+    ids=["first-dim-only", "both-dims"],
+)
+def test_reshape_works_in_an_expressible_layout_for_every_compound_dim(mesh, x_spec, want_src):
+    # (2, 4, 2, 12) -> (8, 24): result dims [a*b] and [c*d]; a sharded minor factor under
+    # an unsharded major one cannot be expressed, so the reshape works on a gathered input.
+    x = jax.ShapeDtypeStruct((2, 4, 2, 12), jnp.float32)
+    plan = make_plan(lambda x: x.reshape(8, 24), (x,), {}, mesh, {"x": x_spec})
+    assert plan.in_specs == (x_spec,)
+    (reshard,) = plan.reshards
+    assert (reshard.vid, reshard.src, reshard.dst) == (plan.graph.in_vids[0], want_src, ((),) * 4)
+
+
+def test_a_returned_plan_does_not_change(mesh):
+    plan0 = make_plan(mlp2, (X, W1, W2), {}, mesh, {"x": P("data"), "w1": P(None, "model")})
+    prop = Propagator(plan0.graph, plan0.axis_sizes)
+    prop.pin(plan0.graph.in_vids[0], Pin(((), ()), "test"))
+    prop.run()
+    plan = Plan(plan0.traced, plan0.graph, prop, mesh)
+    dims, origins, out_dims = plan.dims, [list(o) for o in plan.origins], plan.out_dims
+    # the propagator going on (as the search's retries do) must not reach into the plan
+    prop.pin(plan0.graph.in_vids[1], Pin(((), ("model",)), "later"))
+    prop.run()
+    assert (plan.dims, [list(o) for o in plan.origins], plan.out_dims) == (dims, origins, out_dims)
+    for layouts in (plan.dims, plan.origins, plan.out_dims):
+        with pytest.raises(TypeError):
+            layouts[0] = None

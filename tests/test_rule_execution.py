@@ -1,4 +1,10 @@
-"""Every rule validated by execution (../shared/DESIGN.md, "Rules").
+"""Every rule validated by execution.
+
+A rule (`jaxshard.rule`) factors an equation's operand and result dims into named
+factors of three kinds: pass-through (sharding it shards the result alike, no
+communication), reduction (contracted: sharding it leaves the result a pending partial
+sum) and need-replication (a sort or scan dim: never sharded). These claims are what
+this module checks by running the equations.
 
 For each equation of each program in `rule_samples.SAMPLES` whose primitive has a rule,
 and each pass-through or reduction factor of that rule that splits over 2 devices, run

@@ -17,8 +17,9 @@ from helpers import assert_leaves_match
 from jax.sharding import PartitionSpec as P
 
 import jaxshard
+from jaxshard import search
 from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes
-from jaxshard.plan import _dead_apps
+from jaxshard.plan import dead_apps
 from jaxshard.search import group_key, search_hints
 from jaxshard.trace import arg_names
 
@@ -60,7 +61,7 @@ def exact_hints(step, args, rules):
 
 def footprint(plan):
     g = plan.graph
-    return memory_estimate(g, plan.dims, plan.axis_sizes, plan.out_dims, liveness(g, _dead_apps(g)))
+    return memory_estimate(g, plan.dims, plan.axis_sizes, plan.out_dims, liveness(g, dead_apps(g)))
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +150,22 @@ def test_budget_no_layout_meets_names_the_smallest_footprint(gpt, mesh):
     assert "budget of 64.00 KiB per device" in str(info.value)
 
 
+def test_an_unmeetable_budget_stays_within_the_time_limit(gpt, mesh, monkeypatch):
+    # the smallest-footprint search after an infeasible budget shares the user's limit
+    step, args = gpt
+    limits = []
+    run = search._Model.run
+
+    def spy(self, time_limit, say):
+        limits.append(time_limit)
+        return run(self, time_limit, say)
+
+    monkeypatch.setattr(search._Model, "run", spy)
+    with pytest.raises(jaxshard.ShardingError, match="smallest footprint"):
+        search_hints(step, args, {}, mesh, BATCH, memory_budget=64 * 1024, time_limit=2.0)
+    assert len(limits) > 1 and max(limits) <= 2.0
+
+
 def test_time_limit_returns_best_found_and_says_so(gpt, mesh):
     step, args = gpt
     messages = []
@@ -226,6 +243,16 @@ def test_auto_shard_search_plans_and_runs_like_unsharded(mesh):
     assert_leaves_match(step(params, x), jax.jit(jax.grad(_mlp))(params, x))
     step(params, x)
     assert step.plans_made == 1  # the search runs once per call signature
+
+
+def test_each_call_signature_keeps_its_own_search_result(mesh):
+    params, x = _mlp_data()
+    step = jaxshard.auto_shard(mesh, {"x": P("data")}, search=True)(jax.grad(_mlp))
+    small = step.plan(params, x)
+    large = step.plan(params, jnp.concatenate([x, x]))
+    assert small.search_result.plan is small and large.search_result.plan is large
+    assert step.search_result is large.search_result  # the wrapper's: the latest plan's
+    assert step.plan(params, x).search_result is small.search_result  # cached, unchanged
 
 
 def test_auto_shard_memory_budget_is_honoured_or_names_the_smallest_footprint(gpt, mesh):

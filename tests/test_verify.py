@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jaxshard
 import jaxshard.lower
 from jaxshard.explain import explain_plan
-from jaxshard.hlo import _groups_to_axes, _parse_groups, computation_runs
+from jaxshard.hlo import DTYPE_BYTES, _groups_to_axes, _parse_groups, computation_runs
 from jaxshard.verify import Collective, _match, compiled_collectives, verify
 
 GPT_HINTS = {
@@ -106,7 +106,8 @@ def test_planted_surprise_is_caught(mesh):
         for a in plan.graph.apps
         if a.eqn is not None and a.eqn.primitive.name == "tanh"
     )
-    plan.dims[tanh_in] = ((), ("data",))  # plant: the matmul result moved to another layout
+    # plant: the matmul result moved to another layout, behind the plan's back
+    plan.dims = (*plan.dims[:tanh_in], ((), ("data",)), *plan.dims[tanh_in + 1 :])
     plan.graph.pins[tanh_in] = None  # make the lowering pin it
     result = verify(plan)
     assert not result.ok
@@ -305,3 +306,18 @@ def test_collectives_of_a_tuple_all_reduce_count_each_operand(mesh):
         Collective("all-reduce", frozenset({"data"}), 256),
         Collective("all-reduce", frozenset({"data"}), 32),
     ]
+
+
+@pytest.mark.parametrize("dtype", ["f8e4m3fn", "f8e5m2", "s4", "u4", "bf16"])
+def test_collectives_of_narrow_dtypes_are_counted(mesh, dtype):
+    # fp8 and int4 collectives (quantized training) must be seen and sized like any other
+    text = (
+        f"  %ag = {dtype}[64]{{0}} all-gather({dtype}[32]{{0}} %x), "
+        "replica_groups={{0,4},{1,5},{2,6},{3,7}}, dimensions={0}"
+    )
+    (found,) = compiled_collectives(text, mesh)
+    assert (found.kind, found.axes, found.bytes) == (
+        "all-gather",
+        frozenset({"data"}),
+        64 * DTYPE_BYTES[dtype],
+    )
