@@ -39,8 +39,11 @@ def leads(dim: tuple[int, ...], f: int, rule: Rule) -> bool:
     """Whether splitting this dim in 2 splits factor ``f``: every factor before it is 1.
 
     Example:
-        >>> from jaxshard.rule import einsum_rule
-        >>> r = einsum_rule("(ab)->ab", [(6,)], [(2, 3)])
+        >>> from jaxshard.rule import RuleBuilder
+        >>> b = RuleBuilder(n_operands=1, n_results=1, ranks=([1], [2]))  # (6,) -> (2, 3)
+        >>> _ = b.add_factor(operand_dims={0: 0}, result_dims={0: 0}, size=2)
+        >>> _ = b.add_factor(operand_dims={0: 0}, result_dims={0: 1}, size=3)
+        >>> r = b.build()
         >>> leads(r.operands[0][0], 0, r), leads(r.operands[0][0], 1, r)
         (True, False)
     """
@@ -52,8 +55,8 @@ def checkable(rule: Rule, f: int) -> bool:
     of even size that leads every dim it is in (no PartitionSpec splits a minor factor).
 
     Example:
-        >>> from jaxshard.rule import einsum_rule
-        >>> r = einsum_rule("mk,kn->mn", [(2, 4), (4, 3)], [(2, 3)])
+        >>> r = to_rule(sdy_rule("m k, k n -> m n", reduction_factors=("k",)),
+        ...             [(2, 4), (4, 3)], [(2, 3)], "matmul")
         >>> [checkable(r, f) for f in range(3)]
         [True, True, False]
     """
@@ -135,8 +138,8 @@ def check_factor(
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from jaxshard.rule import einsum_rule
-        >>> r = einsum_rule("mk,kn->mn", [(2, 4), (4, 2)], [(2, 2)])
+        >>> r = to_rule(sdy_rule("m k, k n -> m n", reduction_factors=("k",)),
+        ...             [(2, 4), (4, 2)], [(2, 2)], "matmul")
         >>> a, b = jnp.ones((2, 4)), jnp.ones((4, 2))
         >>> mm = lambda a, b: (a @ b,)
         >>> check_factor(mm, r, 1, (a, b), mm(a, b), two_device_mesh(), "matmul")

@@ -326,8 +326,9 @@ def to_sdy(rule: Rule) -> SdyShardingRule:
     """The `SdyShardingRule` of a jaxshard rule, for Shardy (factor names ``f0, f1, ...``).
 
     Example:
-        >>> from jaxshard.rule import einsum_rule
-        >>> print(to_sdy(einsum_rule("mk,kn->mn", [(2, 4), (4, 6)], [(2, 6)])))
+        >>> rule = to_rule(sdy_rule("m k, k n -> m n", reduction_factors=("k",)),
+        ...                [(2, 4), (4, 6)], [(2, 6)], "matmul")
+        >>> print(to_sdy(rule))
         SdyShardingRule((('f0', 'f1'), ('f1', 'f2')), (('f0', 'f2'),), {} reduction_factors=('f1',))
     """
     whole = {d[0] for t in rule.operands + rule.results for d in t if len(d) == 1}
