@@ -16,9 +16,8 @@ Outline, module by module:
    need-replication factor gathers its operands; one axis may not shard two dims), and
    equations with the same rule and decisions count once with their multiplicity, so a
    48-layer model costs little more than a 12-layer one.
-2. The memory model (`problem`'s last part: `Problem.activation_row`, `Problem.memory`)
-   prices per-device memory: arguments, results and the live activations at an
-   equation, per joint choice of the decisions they depend on.
+2. `memory` prices per-device memory (a mixin of the problem): arguments, results and the
+   live activations at an equation, per joint choice of the decisions they depend on.
 3. `solver` writes the integer program for HiGHS (``highspy``): a one-hot variable per
    decision candidate and one per joint choice of the decisions an equation or tensor
    touches; it minimizes the estimated communication time of one step
