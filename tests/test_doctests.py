@@ -11,7 +11,7 @@ import pytest
 import jaxshard
 
 MODULES = sorted(
-    [f"jaxshard.{m.name}" for m in pkgutil.iter_modules(jaxshard.__path__)]
+    [m.name for m in pkgutil.walk_packages(jaxshard.__path__, "jaxshard.")]
     + [f"jaxshard.rules.{m.name}" for m in pkgutil.iter_modules(jaxshard.rules.__path__)]
 )
 
@@ -51,17 +51,20 @@ def test_engine_imports_form_no_circle():
     import pathlib
 
     root = pathlib.Path(jaxshard.__file__).parent
-    modules = {p.stem for p in root.glob("*.py")} - {"__init__", "__main__"}
+    files = {  # the engine's modules, a package's modules named by the package
+        ".".join(p.relative_to(root).with_suffix("").parts): p for p in root.glob("*.py")
+    } | {p.parent.name + "." + p.stem: p for p in root.glob("search/*.py")}
+    files = {n.removesuffix(".__init__"): p for n, p in files.items() if n != "__init__"}
+    modules = set(files) - {"__main__"}
     edges = {}
     for name in modules:
-        tree = ast.parse((root / f"{name}.py").read_text())
         targets = set()
-        for node in ast.walk(tree):
+        for node in ast.walk(ast.parse(files[name].read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
                 targets.add(node.module)
             elif isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names)
-        edges[name] = {t.split(".")[1] for t in targets if t.startswith("jaxshard.")} & modules
+        edges[name] = {t.removeprefix("jaxshard.") for t in targets} & (modules - {name})
 
     def cycle_from(name, path):
         if name in path:

@@ -17,10 +17,9 @@ from helpers import assert_leaves_match
 from jax.sharding import PartitionSpec as P
 
 import jaxshard
-from jaxshard import search
 from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes
 from jaxshard.plan import dead_apps
-from jaxshard.search import group_key, search_hints
+from jaxshard.search import group_key, search_hints, solver
 from jaxshard.trace import arg_names
 
 BATCH = {r"batch/.*": P("data")}
@@ -154,13 +153,13 @@ def test_an_unmeetable_budget_stays_within_the_time_limit(gpt, mesh, monkeypatch
     # the smallest-footprint search after an infeasible budget shares the user's limit
     step, args = gpt
     limits = []
-    run = search._Model.run
+    run = solver.Model.run
 
     def spy(self, time_limit, say):
         limits.append(time_limit)
         return run(self, time_limit, say)
 
-    monkeypatch.setattr(search._Model, "run", spy)
+    monkeypatch.setattr(solver.Model, "run", spy)
     with pytest.raises(jaxshard.ShardingError, match="smallest footprint"):
         search_hints(step, args, {}, mesh, BATCH, memory_budget=64 * 1024, time_limit=2.0)
     assert len(limits) > 1 and max(limits) <= 2.0

@@ -1,80 +1,46 @@
-"""Fully automatic search: the shardings hints leave free, chosen by an integer program.
-
-The search decides on a coarsened problem and lets propagation fill in the rest.
-Propagation moves a sharding along the factors of every rule, so the (value, dim) pairs
-one factor connects form a *dim class* (the residual stream's model dim across all
-layers, one layer's attention heads, one layer's MLP hidden dim, the batch): whatever
-axes one member of a class carries, propagation gives to all. A class is pinned by a
-hint, decided if it contains a dim of an undecided argument, and otherwise replicated.
-Repeated layers share decisions: arguments are grouped by their path with layer indices
-replaced by ``*`` (``params/layers/*/attn/wq``) and shape, optimizer state joins the
-parameter whose path ends its own, and classes holding the same group dims are one
-decision. With a memory budget, each group may also store an extra mesh axis on a free
-dim (FSDP/ZeRO-3), gathered where it is used.
-
-Every decision picks one candidate (unsharded, or one mesh axis that divides all its
-sizes). Costs come from the rules: an equation whose reduction factor is sharded leaves
-its results partial (an all-reduce), a sharded need-replication factor gathers its
-operands, and a tensor may not carry one axis on two dims. Equations with the same rule
-and the same decisions are counted once with their multiplicity, so a 48-layer model
-costs little more than a 12-layer one. The integer program (HiGHS, via ``highspy``) has a
-one-hot variable per decision candidate and one per joint choice of the decisions an
-equation or tensor touches; it minimizes the estimated communication time of one step
-(`jaxshard.cost.CostModel`) subject to per-device memory (arguments, results and the live
-activations at the peak equations, added lazily until the layout's own peak fits) at
-most the budget. The chosen hints then go through ordinary propagation, whose plan gives
-the reported bytes and memory.
-"""
+"""The search problem built from the traced graph: dim classes (the (value, dim) pairs
+one rule factor ties together), argument groups (repeated layers share one decision),
+the decisions and their candidates, and the joint terms whose costs the integer program
+weighs (memory: `jaxshard.search.memory`). See the package docstring for the outline."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import re
-import sys
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from jaxshard.cost import (
-    CostModel,
     Liveness,
-    MemoryEstimate,
     executions,
-    human_bytes,
     liveness,
-    memory_estimate,
     nbytes,
     reshard_collectives,
     ring_bytes,
     step_bytes,
 )
-from jaxshard.errors import JaxshardBug, ShardingError, warn
 from jaxshard.graph import find_root
 from jaxshard.lattice import Axes, spec_entry, to_spec
 from jaxshard.plan import (
-    Plan,
     dead_apps,
     duplicate_app,
-    gc_paused,
     hint_pins,
     mesh_axis_sizes,
-    plan_from_graph,
-    trace_graph,
 )
 from jaxshard.rule import FactorKind
+from jaxshard.search.memory import MemoryModel
 
 # Chosen hints carry this regex comment into the plan, so an origin reads
-# hint 'params/layers/0/attn/wq(?#jaxshard search)': P(None, 'model')
+
 SEARCH_TAG = "(?#jaxshard search)"
 _LAYER_INDEX = re.compile(r"(?<=/)\d+(?=/|$)")
-_US = 1e6  # the objective is in microseconds
-_MEMORY_TIEBREAK = 1e-9  # objective units per byte: 1 GB of memory weighs 1 µs
+US = 1e6  # the objective is in microseconds
+MEMORY_TIEBREAK = 1e-9  # objective units per byte: 1 GB of memory weighs 1 µs
 _EXTRA_TIEBREAK = 1e-2  # µs per leaf stored with an extra axis
 # Storing a parameter itself on an extra axis (FSDP) is modeled, but off. Propagation now
 # keeps such a stored axis out of the activations (`jaxshard.plan.split_storage`), but
@@ -88,38 +54,7 @@ _SHARD_PARAMETERS = False
 
 
 @dataclass
-class SearchResult:
-    """What `search_hints` chose and what it costs.
-
-    ``hints`` maps exact argument paths (``re.escape``\\d) to full PartitionSpecs for the
-    leaves the search decided; together with the user's hints they give ``plan``.
-    ``predicted_bytes`` and ``memory_bytes`` are read from that plan: collective bytes per
-    device per step (``plan.predicted_bytes``: a scan body's reshards count once per
-    iteration) and `jaxshard.cost.memory_estimate`'s
-    per-device total;
-    ``estimated_bytes``/``estimated_seconds`` are the integer program's own estimate (the
-    seconds of communication, plus compute when the cost model has ``flops``).
-    ``optimal`` is False when the time limit stopped the solver (the best layout found
-    is returned). ``seconds`` is the wall time of the whole search.
-    """
-
-    hints: dict[str, PartitionSpec]
-    predicted_bytes: float
-    memory_bytes: int
-    seconds: float
-    optimal: bool
-    explanation: str
-    estimated_bytes: float = 0.0
-    estimated_seconds: float = 0.0
-    memory: MemoryEstimate | None = None
-    plan: Plan | None = field(default=None, repr=False)
-
-    def __str__(self) -> str:
-        return self.explanation
-
-
-@dataclass
-class _Decision:
+class Decision:
     """One choice of the integer program: a dim class's axes, or a group's extra axis."""
 
     name: str
@@ -127,7 +62,7 @@ class _Decision:
 
 
 @dataclass
-class _Group:
+class Group:
     key: str  # the owner's path with layer indices as '*'
     owners: list[int]  # argument leaf indices with that path pattern and shape
     followers: list[int] = field(default_factory=list)  # optimizer state following them
@@ -135,7 +70,7 @@ class _Group:
 
 
 @dataclass
-class _Term:
+class Term:
     """A function of the joint choice of ``decisions``: per combination (product order)
     communication time (µs), bytes, memory bytes, whether it is allowed, and a tie-break
     added to the objective only."""
@@ -149,153 +84,10 @@ class _Term:
     bias: np.ndarray
 
     @staticmethod
-    def empty(decisions: tuple[int, ...], sizes: tuple[int, ...]) -> _Term:
+    def empty(decisions: tuple[int, ...], sizes: tuple[int, ...]) -> Term:
         n = math.prod(sizes)
         z = np.zeros(n)
-        return _Term(decisions, sizes, z, z.copy(), z.copy(), np.ones(n, dtype=bool), z.copy())
-
-
-def search_hints(
-    fn: Callable,
-    args: tuple,
-    kwargs: dict,
-    mesh: Mesh,
-    hints: Mapping[str, PartitionSpec] | None = None,
-    *,
-    memory_budget: float | None = None,
-    time_limit: float = 30.0,
-    cost_model: CostModel | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> SearchResult:
-    """Choose PartitionSpecs for every argument leaf ``hints`` leave free.
-
-    Minimizes the estimated communication time of one call of ``fn`` under
-    ``cost_model`` (default `CostModel()`), keeping the estimated per-device memory at
-    most ``memory_budget`` bytes when given (else memory only breaks ties). Stops the
-    solver after ``time_limit`` seconds of the whole search, returning the best layout
-    found (``optimal=False``) with a `JaxshardWarning` that says so. ``progress``
-    receives one line per stage and per improved solution; by default the lines go to
-    stderr once the search has run for 5 s, so only long searches show them. A budget
-    no layout meets raises `ShardingError` naming the smallest footprint found.
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> from jax.sharding import PartitionSpec as P
-        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
-        >>> def mlp(params, x):
-        ...     return jnp.sum(jax.nn.relu(x @ params["w1"]) @ params["w2"])
-        >>> params = {"w1": jnp.ones((16, 64)), "w2": jnp.ones((64, 16))}
-        >>> result = search_hints(jax.grad(mlp), (params, jnp.ones((8, 16))), {}, mesh,
-        ...                       {"x": P("data")})
-        >>> result.hints["params/w1"], result.hints["params/w2"]
-        (P(None, 'model'), P('model', None))
-        >>> result.optimal
-        True
-    """
-    t0 = time.perf_counter()
-    say = progress or _LateProgress(t0)
-    hints = dict(hints or {})
-    traced, graph = trace_graph(fn, args, kwargs, mesh)
-    with gc_paused():
-        say(f"traced {len(graph.apps)} equations, {len(graph.shapes)} values "
-            f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
-        problem = _Problem(traced, graph, mesh, hints, cost_model or CostModel(), memory_budget)
-        say(
-            f"coarsened: {len(problem.groups)} argument groups, {len(problem.decisions)} "
-            f"decisions, {len(problem.terms)} joint terms ({time.perf_counter() - t0:.1f} s)"
-        )
-        tried: list[tuple[MemoryEstimate, Plan, dict[int, int]]] = []
-
-        def propagated(choice):
-            chosen = {k + SEARCH_TAG: v for k, v in problem.hints_for(choice).items()}
-            searched = {**hints, **chosen}
-            plan = plan_from_graph(traced, graph, mesh, searched, problem.cost_model)
-            memory = memory_estimate(graph, plan.dims, plan.axis_sizes, plan.out_dims, problem.live)
-            tried.append((memory, plan, choice))
-            return plan, memory
-
-        for _ in range(3):  # propagation may need more memory than the model said: retry
-            try:
-                choice, optimal, status = problem.solve(t0, time_limit, say)
-            except _Infeasible as e:
-                for smallest in e.choices:
-                    propagated(smallest)
-                memory, plan, choice = min(tried, key=lambda t: t[0].total)
-                if memory.total > memory_budget:
-                    _raise_over_budget(problem, memory_budget, memory, plan)
-                optimal = False
-                status = "the smallest-memory layout: the model put every layout over budget"
-                break
-            plan, memory = propagated(choice)
-            say(f"propagated: {human_bytes(step_bytes(plan))} of collectives, "
-                f"{human_bytes(memory.total)} of memory per device "
-                f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
-            if memory_budget is None or memory.total <= memory_budget or not optimal:
-                break
-            modeled = problem.memory(choice).total
-            problem.budget *= min(modeled / memory.total, 0.999)
-            say(f"propagation needs {human_bytes(memory.total)}, the model said "
-                f"{human_bytes(modeled)}: searching again within "
-                f"{human_bytes(problem.budget)}")  # fmt: skip
-        else:
-            memory, plan, choice = min(tried, key=lambda t: t[0].total)
-            _raise_over_budget(problem, memory_budget, memory, plan)
-    seconds = time.perf_counter() - t0
-    if not optimal:
-        warn(
-            f"jaxshard search did not prove its layout optimal ({status}) after {seconds:.1f} s; "
-            "the plan is the best layout found. Raise the time limit for a better one."
-        )
-    est_time, est_bytes = problem.comm(choice)
-    text = problem.explain(choice, plan, memory, optimal, status, seconds)
-    result = SearchResult(
-        problem.hints_for(choice), step_bytes(plan), memory.total, seconds, optimal, text,
-        est_bytes, est_time / _US, memory, plan,
-    )  # fmt: skip
-    plan.search_result = result
-    return result
-
-
-class _LateProgress:
-    """Progress lines on stderr, but only once the search has run ``after`` seconds
-    (the lines held until then come first): short searches stay quiet."""
-
-    def __init__(self, t0: float, after: float = 5.0):
-        self.t0, self.after, self.held = t0, after, []
-
-    def __call__(self, message: str) -> None:
-        seconds = time.perf_counter() - self.t0
-        self.held.append(f"jaxshard search [{seconds:5.1f} s] {message}")
-        if seconds >= self.after:
-            print("\n".join(self.held), file=sys.stderr, flush=True)
-            self.held.clear()
-
-
-class _Infeasible(Exception):
-    """No layout meets the budget in the model; ``choices`` are its smallest-memory ones
-    (without and with extra storage axes)."""
-
-    def __init__(self, choices: list[dict[int, int]]):
-        super().__init__()
-        self.choices = choices
-
-
-def _raise_over_budget(problem, budget, memory: MemoryEstimate, plan: Plan) -> None:
-    """Raise a ShardingError naming the smallest per-device footprint found (measured
-    after propagation) and its layout."""
-    specs = jax.tree.leaves(plan.in_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    shown = [f"{n}: {s}" for n, s in zip(problem.traced.in_names, specs) if tuple(s)]
-    size = lambda n: human_bytes(n, 2)  # noqa: E731
-    raise ShardingError(
-        f"no layout fits the memory budget of {size(budget)} per device: the smallest "
-        f"footprint jaxshard finds on this mesh is {size(memory.total)} ({memory.total} bytes) "
-        f"per device (arguments {size(memory.arguments)}, results {size(memory.results)}, "
-        f"peak activations {size(memory.activations)}; estimated "
-        "by jaxshard.cost.memory_estimate), with "
-        + ", ".join(shown[:6])
-        + (", ..." if len(shown) > 6 else "")
-        + ". Raise the budget to at least that, use a larger mesh, or shrink the batch."
-    ) from None
+        return Term(decisions, sizes, z, z.copy(), z.copy(), np.ones(n, dtype=bool), z.copy())
 
 
 def group_key(path: str) -> str:
@@ -308,7 +100,7 @@ def group_key(path: str) -> str:
     return _LAYER_INDEX.sub("*", path)
 
 
-def _followers(names, shapes, dtypes, candidates) -> dict[int, int]:
+def followers(names, shapes, dtypes, candidates) -> dict[int, int]:
     """Leaves that follow another leaf (optimizer state): same shape and dtype, and the
     other's path below its argument ends this one's path. ``{follower: owner}``."""
     by_tail: dict[tuple, list[int]] = {}
@@ -336,7 +128,7 @@ def _followers(names, shapes, dtypes, candidates) -> dict[int, int]:
     return out
 
 
-class _Problem:
+class Problem(MemoryModel):
     """The coarsened problem of one traced function: dim classes, groups, decisions and
     joint terms, and the integer program over them."""
 
@@ -352,7 +144,7 @@ class _Problem:
         self._groups()
         self._decide()
         self.value_refs = [self._refs(v) for v in range(len(graph.shapes))]
-        self.terms: dict[tuple[int, ...], _Term] = {}
+        self.terms: dict[tuple[int, ...], Term] = {}
         self.constant_time = self.constant_bytes = 0.0  # collectives no decision changes
         self._value_terms()
         self._app_terms()
@@ -424,23 +216,23 @@ class _Problem:
             pin = self.pins.get(v)
             if any(s > 1 and (pin is None or pin[d] is None) for d, s in enumerate(shapes[i])):
                 open_leaves.append(i)
-        follows = _followers(names, shapes, dtypes, open_leaves)
-        by_key: dict[tuple, _Group] = {}
-        group_of: dict[int, _Group] = {}
+        follows = followers(names, shapes, dtypes, open_leaves)
+        by_key: dict[tuple, Group] = {}
+        group_of: dict[int, Group] = {}
         for i in open_leaves:
             if i in follows:
                 continue
             key = (group_key(names[i]), shapes[i], str(dtypes[i]))
             grp = by_key.get(key)
             if grp is None:
-                grp = by_key[key] = _Group(key[0], [])
+                grp = by_key[key] = Group(key[0], [])
             grp.owners.append(i)
             group_of[i] = grp
         for i, owner in follows.items():
             grp = group_of.get(owner)
             if grp is None:  # its owner is fully pinned: a group of its own
                 key = (group_key(names[i]), shapes[i], str(dtypes[i]))
-                grp = by_key.setdefault(key, _Group(key[0], []))
+                grp = by_key.setdefault(key, Group(key[0], []))
                 grp.owners.append(i)
             else:
                 grp.followers.append(i)
@@ -473,7 +265,7 @@ class _Problem:
                 keys = [self._key(v, d) for d, s in enumerate(shape) if s > 1]
                 if len(set(keys)) < len(keys):
                     twice.update(k for k in keys if keys.count(k) > 1)
-        self.decisions: list[_Decision] = []
+        self.decisions: list[Decision] = []
         self.fixed: list[Axes] = [()]
         fixed_index = {(): 0}
         by_members: dict[frozenset, int] = {}
@@ -491,7 +283,7 @@ class _Problem:
                 dec = by_members.get(key)
                 if dec is None:
                     dec = by_members[key] = len(self.decisions)
-                    self.decisions.append(_Decision(self._class_name(key), [()]))
+                    self.decisions.append(Decision(self._class_name(key), [()]))
                 divides[dec] = math.gcd(divides.get(dec, 0), self.class_size[k])
                 self.ref[k] = dec
             else:
@@ -520,7 +312,7 @@ class _Problem:
                         ]  # fmt: skip
                 if len(cands) > 1:
                     grp.extra = len(self.decisions)
-                    self.decisions.append(_Decision(f"{grp.key} extra axis", cands))
+                    self.decisions.append(Decision(f"{grp.key} extra axis", cands))
         self.followers = {i for grp in self.groups for i in grp.followers}
 
     def _class_name(self, members: frozenset) -> str:
@@ -568,15 +360,15 @@ class _Problem:
 
     # --- joint terms -------------------------------------------------------------------
 
-    def _term(self, decisions) -> _Term:
+    def _term(self, decisions) -> Term:
         decisions = tuple(sorted(set(decisions)))
         term = self.terms.get(decisions)
         if term is None:
             sizes = tuple(len(self.decisions[d].candidates) for d in decisions)
-            term = self.terms[decisions] = _Term.empty(decisions, sizes)
+            term = self.terms[decisions] = Term.empty(decisions, sizes)
         return term
 
-    def _combos(self, term: _Term):
+    def _combos(self, term: Term):
         for n, combo in enumerate(itertools.product(*(range(s) for s in term.sizes))):
             yield n, dict(zip(term.decisions, combo))
 
@@ -704,7 +496,7 @@ class _Problem:
             work = 2 * math.prod(f.size for f in rule.factors)
             split = math.prod(self.sizes[a] for axes in factor_axes.values() for a in axes)
             seconds += work / split / self.cost_model.flops
-        return seconds * _US, sum(b for _, _, b in steps)
+        return seconds * US, sum(b for _, _, b in steps)
 
     def _uses(self, v: int) -> int:
         """Equations that read argument ``v`` in its compute layout (not the optimizer's
@@ -761,126 +553,16 @@ class _Problem:
                         local *= n_axis
                     b = ring_bytes("all-gather", n_axis, local)
                     term.bytes[n] += gathers * b
-                    term.time[n] += gathers * _US * self.cost_model.collective_time((extra[1],), b)
+                    term.time[n] += gathers * US * self.cost_model.collective_time((extra[1],), b)
 
-    # --- memory at an equation ---------------------------------------------------------
-
-    def _activation_row(self, t: int) -> tuple[float, dict[tuple, np.ndarray]]:
-        """Live intermediates at application ``t``: constant bytes, and per term the
-        bytes under each joint choice."""
-        g, live = self.graph, self.live
-        mask = (live.start[live.intermediates] <= t) & (live.end[live.intermediates] >= t)
-        const = 0.0
-        rows: dict[tuple, np.ndarray] = {}
-        by_sig: dict[tuple, float] = {}
-        for v in live.intermediates[mask]:
-            v = int(v)
-            key = (self.refs(v), g.shapes[v], g.dtypes[v])
-            by_sig[key] = by_sig.get(key, 0) + 1
-        for (refs, shape, dtype), count in by_sig.items():
-            size = nbytes(shape, dtype) * count
-            free = tuple(sorted({r for r in refs if r >= 0}))
-            if not free:
-                const += size / math.prod(self.sizes[a] for r in refs for a in self.axes(r, {}))
-                continue
-            term = self._term(free)
-            row = rows.setdefault(term.decisions, np.zeros(len(term.time)))
-            for n, choice in self._combos(term):
-                shards = math.prod(self.sizes[a] for r in refs for a in self.axes(r, choice))
-                row[n] += size / shards
-        return const, rows
-
-    def _static_memory(self) -> float:
-        """Bytes of arguments and results that no decision touches."""
-        g = self.graph
-        total = 0.0
-        for i, v in enumerate(g.in_vids):
-            if i not in self.leaf_group:
-                lay = [self.axes(r, {}) if r < 0 else () for r in self.refs(v)]
-                shards = math.prod(self.sizes[a] for x in lay for a in x)
-                total += self._leaf_bytes(i) / shards
-        tied_out = {o for _, o in g.ties}
-        for o, v in enumerate(g.out_vids):
-            if o not in tied_out:
-                lay = [self.axes(r, {}) if r < 0 else () for r in self.refs(v)]
-                total += nbytes(g.shapes[v], g.dtypes[v]) / math.prod(
-                    self.sizes[a] for x in lay for a in x
-                )
-        return total
-
-    # --- the integer program -----------------------------------------------------------
-
-    def solve(self, t0: float, time_limit: float, say) -> tuple[dict[int, int], bool, str]:
-        """The best choice per decision: (choice, optimal, solver status text)."""
-        import highspy
-
-        if not self.decisions:
-            return {}, True, "nothing to decide"
-        if time.perf_counter() - t0 >= time_limit:
-            return self._baseline(), False, "the time limit ran out before the solver started"
-        model = _Model(self)
-        rows_added: set[int] = set()
-        live = self.live
-        peak0 = self._peak(self._baseline())
-        points = [peak0] if self.budget is not None and peak0 >= 0 else []
-        for t in points:
-            model.add_memory_row(*self._activation_row(t), self.static, self.budget)
-            rows_added.add(t)
-        optimal, status = True, ""
-        for _ in range(16):
-            left = time_limit - (time.perf_counter() - t0)
-            result = model.run(max(left, 1e-3), say)
-            if result is None:
-                if model.status == highspy.HighsModelStatus.kInfeasible:
-                    points = sorted(rows_added)
-                    deadline = t0 + time_limit
-                    raise _Infeasible(
-                        [_smallest_memory(self, points, e, deadline) for e in (False, True)]
-                    )
-                return self._baseline(), False, f"no layout found in time ({model.status_text})"
-            choice, is_optimal = result
-            optimal &= is_optimal
-            status = model.status_text
-            if model.status == highspy.HighsModelStatus.kTimeLimit:
-                status = "the time limit stopped the solver: the best layout it found"
-            if self.budget is None or not len(live.intermediates):
-                break
-            memory = self.memory(choice)
-            if memory.total <= self.budget * (1 + 1e-9) or memory.peak_app in rows_added:
-                break
-            say(f"layout needs {human_bytes(memory.total)} at equation {memory.peak_app}: "
-                "adding that memory constraint")  # fmt: skip
-            model.add_memory_row(*self._activation_row(memory.peak_app), self.static, self.budget)
-            rows_added.add(memory.peak_app)
-            if not is_optimal:
-                break
-        return choice, optimal, status
-
-    def _baseline(self) -> dict[int, int]:
+    def baseline(self) -> dict[int, int]:
         return {d: 0 for d in range(len(self.decisions))}
-
-    def _peak(self, choice) -> int:
-        return self.memory(choice).peak_app
-
-    def memory(self, choice) -> MemoryEstimate:
-        """The class model's memory estimate of a choice (every value at its class's axes,
-        each group's arguments with their extra axis)."""
-        g = self.graph
-        dims = [tuple(self.axes(r, choice) for r in self.refs(v)) for v in range(len(g.shapes))]
-        for i in self.leaf_group:
-            lay = self.leaf_layout(i, choice)
-            if lay is not None:
-                dims[g.in_vids[i]] = tuple(lay)
-        out_dims = [dims[v] for v in g.out_vids]
-        for i, o in g.ties:
-            out_dims[o] = dims[g.in_vids[i]]
-        return memory_estimate(g, dims, self.sizes, out_dims, self.live)
 
     def comm(self, choice) -> tuple[float, float]:
         """Estimated (µs, bytes) of communication per step under a choice."""
         t, b = self.constant_time, self.constant_bytes
         for term in self.terms.values():
-            n = _index(term, choice)
+            n = term_index(term, choice)
             t += term.time[n]
             b += term.bytes[n]
         return t, b
@@ -898,7 +580,7 @@ class _Problem:
 
     def explain(self, choice, plan, memory, optimal, status, seconds) -> str:
         est_time, est_bytes = self.comm(choice)
-        base_time, base_bytes = self.comm(self._baseline())
+        base_time, base_bytes = self.comm(self.baseline())
         g = self.graph
         what = "communication + compute" if self.cost_model.flops else "communication"
         lines = [
@@ -934,181 +616,8 @@ class _Problem:
         return "\n".join(lines)
 
 
-def _index(term: _Term, choice) -> int:
+def term_index(term: Term, choice) -> int:
     n = 0
     for d, s in zip(term.decisions, term.sizes):
         n = n * s + choice[d]
     return n
-
-
-class _Model:
-    """The HiGHS model: a one-hot binary per decision candidate, a binary per allowed
-    joint choice of each multi-decision term (its marginals equal the one-hots)."""
-
-    def __init__(self, problem: _Problem):
-        import highspy
-
-        self.highspy = highspy
-        self.problem = problem
-        decisions = problem.decisions
-        self.x: list[list[int]] = []
-        n = 0
-        for dec in decisions:
-            self.x.append(list(range(n, n + len(dec.candidates))))
-            n += len(dec.candidates)
-        cost = [0.0] * n
-        upper = [1.0] * n
-        rows: list[tuple[dict[int, float], float, float]] = []
-        for cols in self.x:
-            rows.append(({c: 1.0 for c in cols}, 1.0, 1.0))
-        self.col_of: dict[tuple[int, ...], np.ndarray] = {}
-        for key, term in problem.terms.items():
-            weight = term.time + _MEMORY_TIEBREAK * term.memory + term.bias
-            if len(key) == 1:
-                cols = np.array(self.x[key[0]])
-                for c, w, ok in zip(cols, weight, term.allowed):
-                    cost[c] += w
-                    if not ok:
-                        upper[c] = 0.0
-                self.col_of[key] = cols
-                continue
-            cols = np.full(len(weight), -1)
-            combos = list(itertools.product(*(range(s) for s in term.sizes)))
-            for j in range(len(combos)):
-                if term.allowed[j]:
-                    cols[j] = n
-                    cost.append(float(weight[j]))
-                    upper.append(1.0)
-                    n += 1
-            self.col_of[key] = cols
-            for pos, d in enumerate(key):
-                for cand, xc in enumerate(self.x[d]):
-                    row = {int(cols[j]): 1.0 for j, combo in enumerate(combos)
-                           if combo[pos] == cand and cols[j] >= 0}  # fmt: skip
-                    row[xc] = row.get(xc, 0.0) - 1.0
-                    rows.append((row, 0.0, 0.0))
-        self.n = n
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
-        h.setOptionValue("mip_rel_gap", 1e-6)
-        lp = highspy.HighsLp()
-        lp.num_col_, lp.num_row_ = n, len(rows)
-        lp.col_cost_ = np.array(cost)
-        lp.col_lower_ = np.zeros(n)
-        lp.col_upper_ = np.array(upper)
-        lp.row_lower_ = np.array([r[1] for r in rows])
-        lp.row_upper_ = np.array([r[2] for r in rows])
-        starts, index, value = [0], [], []
-        for row, _, _ in rows:
-            index += list(row)
-            value += list(row.values())
-            starts.append(len(index))
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
-        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = n, len(rows)
-        lp.a_matrix_.start_ = np.array(starts, dtype=np.int32)
-        lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
-        lp.a_matrix_.value_ = np.array(value, dtype=np.float64)
-        lp.integrality_ = [highspy.HighsVarType.kInteger] * n
-        h.passModel(lp)
-        self.h = h
-        self.status = None
-        self.status_text = ""
-        self._say = None
-        h.cbMipImprovingSolution.subscribe(self._improved)
-
-    def _improved(self, event) -> None:
-        if self._say is not None:
-            value = event.data_out.objective_function_value
-            self._say(f"solver: better layout found, estimated {value / 1e3:.3f} ms per step")
-
-    def columns(self, key: tuple[int, ...]) -> np.ndarray:
-        """The model's column per joint choice of ``key`` (-1: not allowed)."""
-        cols = self.col_of.get(key)
-        if cols is None:
-            if len(key) != 1:
-                raise JaxshardBug(f"search: no joint variables for decisions {key}")
-            cols = self.col_of[key] = np.array(self.x[key[0]])
-        return cols
-
-    def memory_expression(self, const, rows, static) -> tuple[dict[int, float], float]:
-        """Per-device memory as ``(coefficients, constant)`` over the model's columns."""
-        coef: dict[int, float] = {}
-        total = const + static
-        for key, term in self.problem.terms.items():
-            if term.memory.any():
-                for c, m in zip(self.columns(key), term.memory):
-                    if c >= 0:
-                        coef[int(c)] = coef.get(int(c), 0.0) + float(m)
-        for key, row in rows.items():
-            for c, m in zip(self.columns(key), row):
-                if c >= 0:
-                    coef[int(c)] = coef.get(int(c), 0.0) + float(m)
-        return coef, total
-
-    def add_memory_row(self, const, rows, static, budget) -> None:
-        """Memory at one equation (arguments, results, live activations) ≤ budget."""
-        coef, total = self.memory_expression(const, rows, static)
-        idx = np.array(list(coef), dtype=np.int32)
-        val = np.array(list(coef.values()))
-        self.h.addRow(-self.highspy.kHighsInf, float(budget - total), len(idx), idx, val)
-
-    def allow_extras(self, decisions, allowed: bool) -> None:
-        """Allow or forbid every non-None candidate of the extra-axis ``decisions``."""
-        cols = np.array([c for d in decisions for c in self.x[d][1:]], dtype=np.int32)
-        if len(cols):
-            upper = np.ones(len(cols)) if allowed else np.zeros(len(cols))
-            self.h.changeColsBounds(len(cols), cols, np.zeros(len(cols)), upper)
-
-    def run(self, time_limit: float, say) -> tuple[dict[int, int], bool] | None:
-        hs = self.highspy
-        self.h.setOptionValue("time_limit", float(time_limit))
-        self._say = say
-        self.h.run()
-        self._say = None
-        self.status = self.h.getModelStatus()
-        self.status_text = self.h.modelStatusToString(self.status)
-        info = self.h.getInfo()
-        if info.primal_solution_status != hs.SolutionStatus.kSolutionStatusFeasible:
-            return None
-        values = self.h.getSolution().col_value
-        choice = {d: int(np.argmax([values[c] for c in cols])) for d, cols in enumerate(self.x)}
-        return choice, self.status == hs.HighsModelStatus.kOptimal
-
-
-def _smallest_memory(
-    problem: _Problem, points: list[int], extras: bool, deadline: float
-) -> dict[int, int]:
-    """The layout of least estimated per-device memory, ignoring communication: the
-    largest memory over the equations in ``points`` (and each layout's own peak, added
-    as found) is minimized. ``extras``: whether groups may store extra axes. The solver
-    stops at ``deadline`` (a `time.perf_counter` time) with the best layout found so far."""
-    model = _Model(problem)
-    model.allow_extras(range(problem.n_class_decisions, len(problem.decisions)), extras)
-    hs, h = model.highspy, model.h
-    m = h.getNumCol()  # a column bounding every memory row from above: minimized
-    h.changeColsCost(m, np.arange(m, dtype=np.int32), np.zeros(m))
-    h.addCol(1.0, 0.0, hs.kHighsInf, 0, np.array([], dtype=np.int32), np.array([]))
-
-    def bound(t: int) -> None:
-        coef, total = model.memory_expression(*problem._activation_row(t), problem.static)
-        idx = np.array([*coef, m], dtype=np.int32)
-        h.addRow(-hs.kHighsInf, -total, len(idx), idx, np.array([*coef.values(), -1.0]))
-
-    points = list(points) or [problem.memory(problem._baseline()).peak_app]
-    for t in points:
-        bound(t)
-    choice = problem._baseline()
-    for _ in range(8):
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            break
-        found = model.run(left, None)
-        if found is None:
-            break
-        choice = found[0]
-        peak = problem.memory(choice).peak_app
-        if peak in points:
-            break
-        points.append(peak)
-        bound(peak)
-    return choice

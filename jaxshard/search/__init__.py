@@ -1,0 +1,163 @@
+"""Fully automatic search: the shardings hints leave free, chosen by an integer program.
+
+Outline, module by module:
+
+1. `problem` builds the problem from the traced graph. Propagation moves a sharding along
+   the factors of every rule, so the (value, dim) pairs one factor connects form a *dim
+   class* (the residual stream's model dim across all layers, one layer's attention
+   heads, the batch): whatever axes one member carries, propagation gives to all. A class
+   is pinned by a hint, decided if it holds a dim of an undecided argument, else
+   replicated. Repeated layers share decisions: arguments are grouped by their path with
+   layer indices as ``*`` (``params/layers/*/attn/wq``) and shape, optimizer state joins
+   the parameter whose path ends its own. With a memory budget each group may also store
+   an extra mesh axis on a free dim (ZeRO), gathered where it is used. Each decision picks
+   one candidate (unsharded, or one mesh axis dividing all its sizes); costs come from the
+   rules (a sharded reduction factor leaves its results partial: an all-reduce; a sharded
+   need-replication factor gathers its operands; one axis may not shard two dims), and
+   equations with the same rule and decisions count once with their multiplicity, so a
+   48-layer model costs little more than a 12-layer one.
+2. `memory` prices per-device memory (a mixin of the problem): arguments, results and the
+   live activations at an equation, per joint choice of the decisions they depend on.
+3. `solver` writes the integer program for HiGHS (``highspy``): a one-hot variable per
+   decision candidate and one per joint choice of the decisions an equation or tensor
+   touches; it minimizes the estimated communication time of one step
+   (`jaxshard.cost.CostModel`) subject to memory at the peak equations at most the budget
+   (rows added lazily until the layout's own peak fits), within the time limit. When no
+   layout fits, it finds the smallest-memory one instead.
+4. `result` reports: the chosen hints go through ordinary propagation (`search_hints`,
+   here), whose plan gives the reported bytes and memory, and `SearchResult` explains it;
+   a budget nothing meets is an error naming the smallest footprint.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Mapping
+
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxshard.cost import CostModel, MemoryEstimate, human_bytes, memory_estimate, step_bytes
+from jaxshard.errors import warn
+from jaxshard.plan import Plan, gc_paused, plan_from_graph, trace_graph
+from jaxshard.search.problem import SEARCH_TAG, US, Problem, group_key
+from jaxshard.search.result import SearchResult, raise_over_budget
+from jaxshard.search.solver import Infeasible, solve
+
+__all__ = ["SEARCH_TAG", "SearchResult", "group_key", "search_hints"]
+
+
+def search_hints(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    mesh: Mesh,
+    hints: Mapping[str, PartitionSpec] | None = None,
+    *,
+    memory_budget: float | None = None,
+    time_limit: float = 30.0,
+    cost_model: CostModel | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> SearchResult:
+    """Choose PartitionSpecs for every argument leaf ``hints`` leave free.
+
+    Minimizes the estimated communication time of one call of ``fn`` under
+    ``cost_model`` (default `CostModel()`), keeping the estimated per-device memory at
+    most ``memory_budget`` bytes when given (else memory only breaks ties). Stops the
+    solver after ``time_limit`` seconds of the whole search, returning the best layout
+    found (``optimal=False``) with a `JaxshardWarning` that says so. ``progress``
+    receives one line per stage and per improved solution; by default the lines go to
+    stderr once the search has run for 5 s, so only long searches show them. A budget
+    no layout meets raises `ShardingError` naming the smallest footprint found.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+        >>> def mlp(params, x):
+        ...     return jnp.sum(jax.nn.relu(x @ params["w1"]) @ params["w2"])
+        >>> params = {"w1": jnp.ones((16, 64)), "w2": jnp.ones((64, 16))}
+        >>> result = search_hints(jax.grad(mlp), (params, jnp.ones((8, 16))), {}, mesh,
+        ...                       {"x": P("data")})
+        >>> result.hints["params/w1"], result.hints["params/w2"]
+        (P(None, 'model'), P('model', None))
+        >>> result.optimal
+        True
+    """
+    t0 = time.perf_counter()
+    say = progress or _LateProgress(t0)
+    hints = dict(hints or {})
+    traced, graph = trace_graph(fn, args, kwargs, mesh)
+    with gc_paused():
+        say(f"traced {len(graph.apps)} equations, {len(graph.shapes)} values "
+            f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+        problem = Problem(traced, graph, mesh, hints, cost_model or CostModel(), memory_budget)
+        say(
+            f"coarsened: {len(problem.groups)} argument groups, {len(problem.decisions)} "
+            f"decisions, {len(problem.terms)} joint terms ({time.perf_counter() - t0:.1f} s)"
+        )
+        tried: list[tuple[MemoryEstimate, Plan, dict[int, int]]] = []
+
+        def propagated(choice):
+            chosen = {k + SEARCH_TAG: v for k, v in problem.hints_for(choice).items()}
+            searched = {**hints, **chosen}
+            plan = plan_from_graph(traced, graph, mesh, searched, problem.cost_model)
+            memory = memory_estimate(graph, plan.dims, plan.axis_sizes, plan.out_dims, problem.live)
+            tried.append((memory, plan, choice))
+            return plan, memory
+
+        for _ in range(3):  # propagation may need more memory than the model said: retry
+            try:
+                choice, optimal, status = solve(problem, t0, time_limit, say)
+            except Infeasible as e:
+                for smallest in e.choices:
+                    propagated(smallest)
+                memory, plan, choice = min(tried, key=lambda t: t[0].total)
+                if memory.total > memory_budget:
+                    raise_over_budget(problem, memory_budget, memory, plan)
+                optimal = False
+                status = "the smallest-memory layout: the model put every layout over budget"
+                break
+            plan, memory = propagated(choice)
+            say(f"propagated: {human_bytes(step_bytes(plan))} of collectives, "
+                f"{human_bytes(memory.total)} of memory per device "
+                f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+            if memory_budget is None or memory.total <= memory_budget or not optimal:
+                break
+            modeled = problem.memory(choice).total
+            problem.budget *= min(modeled / memory.total, 0.999)
+            say(f"propagation needs {human_bytes(memory.total)}, the model said "
+                f"{human_bytes(modeled)}: searching again within "
+                f"{human_bytes(problem.budget)}")  # fmt: skip
+        else:
+            memory, plan, choice = min(tried, key=lambda t: t[0].total)
+            raise_over_budget(problem, memory_budget, memory, plan)
+    seconds = time.perf_counter() - t0
+    if not optimal:
+        warn(
+            f"jaxshard search did not prove its layout optimal ({status}) after {seconds:.1f} s; "
+            "the plan is the best layout found. Raise the time limit for a better one."
+        )
+    est_time, est_bytes = problem.comm(choice)
+    text = problem.explain(choice, plan, memory, optimal, status, seconds)
+    result = SearchResult(
+        problem.hints_for(choice), step_bytes(plan), memory.total, seconds, optimal, text,
+        est_bytes, est_time / US, memory, plan,
+    )  # fmt: skip
+    plan.search_result = result
+    return result
+
+
+class _LateProgress:
+    """Progress lines on stderr, but only once the search has run ``after`` seconds
+    (the lines held until then come first): short searches stay quiet."""
+
+    def __init__(self, t0: float, after: float = 5.0):
+        self.t0, self.after, self.held = t0, after, []
+
+    def __call__(self, message: str) -> None:
+        seconds = time.perf_counter() - self.t0
+        self.held.append(f"jaxshard search [{seconds:5.1f} s] {message}")
+        if seconds >= self.after:
+            print("\n".join(self.held), file=sys.stderr, flush=True)
+            self.held.clear()
