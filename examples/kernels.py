@@ -89,8 +89,8 @@ def _matmul_partition(mesh, arg_shapes, result_shape):
     return mesh, lower, NamedSharding(mesh, P(i, k)), specs
 
 
-_cp_matmul = custom_partitioning(lambda a, b: a @ b)
-_cp_matmul.def_partition(
+cp_matmul = custom_partitioning(lambda a, b: a @ b)
+cp_matmul.def_partition(
     partition=_matmul_partition, sharding_rule="i j, j k -> i k", reduction_factors=("j",)
 )
 
@@ -98,12 +98,12 @@ _cp_matmul.def_partition(
 @jax.custom_vjp  # custom_partitioning has no derivative of its own
 def matmul(a, b):
     """``a @ b`` as a custom_partitioning op."""
-    return _cp_matmul(a, b)
+    return cp_matmul(a, b)
 
 
 matmul.defvjp(
-    lambda a, b: (_cp_matmul(a, b), (a, b)),
-    lambda res, g: (_cp_matmul(g, res[1].T), _cp_matmul(res[0].T, g)),
+    lambda a, b: (cp_matmul(a, b), (a, b)),
+    lambda res, g: (cp_matmul(g, res[1].T), cp_matmul(res[0].T, g)),
 )
 
 
