@@ -78,8 +78,9 @@ def abstractify(leaf: Any, name: str) -> jax.ShapeDtypeStruct:
     if shape is None or dtype is None:
         raise ShardingError(
             f"argument leaf {name} is a {type(leaf).__name__}, not an array: jaxshard plans "
-            "arrays only. Pass it as an array, or close over it (functools.partial) if it is "
-            "configuration."
+            "arrays only. Pass it as an array, close over it (functools.partial) if it is "
+            "configuration, or pass static_leaves=True to auto_shard to keep every non-array "
+            "leaf static (an Equinox module's activation, ints, callables) like eqx.filter_jit."
         )
     return jax.ShapeDtypeStruct(
         tuple(shape), dtype, weak_type=bool(getattr(leaf, "weak_type", False))
