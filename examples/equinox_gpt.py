@@ -116,9 +116,7 @@ def make_step(optimizer: optax.GradientTransformation):
     def train_step(model: GPT, opt_state, batch):
         def loss_fn(model):
             logits = jax.vmap(model)(batch["tok"])
-            return optax.softmax_cross_entropy_with_integer_labels(
-                logits, batch["target"]
-            ).mean()
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["target"]).mean()
 
         loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
         updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
@@ -179,15 +177,18 @@ def main() -> None:
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     out = run(mesh, steps=steps)
     plan = out["plan"]
-    for name, spec in zip(plan.traced.in_names, jax.tree_util.tree_leaves(
-        plan.in_specs, is_leaf=lambda x: isinstance(x, P)
-    )):
+    for name, spec in zip(
+        plan.traced.in_names,
+        jax.tree_util.tree_leaves(plan.in_specs, is_leaf=lambda x: isinstance(x, P)),
+    ):
         if name.startswith("model/"):
             print(f"{name:45s} {spec}")
     for i, (a, b) in enumerate(zip(out["losses"], out["ref_losses"])):
         print(f"step {i}: jaxshard {a:.6f}  eqx.filter_jit {b:.6f}")
-    print(f"largest parameter difference: {max_param_error(out['model'], out['ref_model']):.2e} "
-          "of the leaf's max")
+    print(
+        f"largest parameter difference: {max_param_error(out['model'], out['ref_model']):.2e} "
+        "of the leaf's max"
+    )
 
 
 if __name__ == "__main__":

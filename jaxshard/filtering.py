@@ -69,7 +69,9 @@ class Partitioned:
         """The whole tree again, from the array part (of the same structure with Nones)."""
         arrays = iter(jax.tree_util.tree_leaves(arrays_tree))
         statics = dict(self.static)
-        leaves = [statics[i] if i in statics else next(arrays) for i in range(self.treedef.num_leaves)]
+        leaves = [
+            statics[i] if i in statics else next(arrays) for i in range(self.treedef.num_leaves)
+        ]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
 

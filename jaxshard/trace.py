@@ -133,13 +133,29 @@ def trace(fn: Callable, args: tuple, kwargs: dict) -> Traced:
 
     def flat_fn(*flat):
         a, k = jax.tree_util.tree_unflatten(in_tree, flat)
-        return fn(*a, **k)
+        return _check_results(fn(*a, **k))
 
     _name_for_jax(flat_fn, fn, names)
     jaxpr, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
     out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     out_names = tuple(path_name("out", path) for path, _ in out_leaves)
     return Traced(jaxpr, tuple(names), out_names, in_tree, out_tree, avals)
+
+
+def _check_results(out: Any) -> Any:
+    """``out`` unchanged, or a ShardingError naming the first result leaf that is not an
+    array (JAX's own error names only its flat index)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if not isinstance(leaf, (jax.Array, jax.core.Tracer, np.ndarray, np.generic)) and (
+            not isinstance(leaf, (bool, int, float, complex))
+        ):
+            raise ShardingError(
+                f"result leaf {path_name('out', path)} is a {type(leaf).__name__}, not an "
+                "array: jaxshard returns arrays only. Pass static_leaves=True to auto_shard to "
+                "return non-array leaves as they were made (an Equinox module with its "
+                "activation function), like eqx.filter_jit, or return arrays only."
+            )
+    return out
 
 
 def _name_for_jax(flat_fn: Callable, fn: Callable, names: Sequence[str]) -> None:

@@ -40,8 +40,10 @@ def test_gpt_returns_modules_with_their_static_fields(gpt_run):
 def test_gpt_arrays_planned_by_path_from_hints(gpt_run):
     plan = gpt_run["plan"]
     specs = dict(
-        zip(plan.traced.in_names, jax.tree_util.tree_leaves(
-            plan.in_specs, is_leaf=lambda x: isinstance(x, P)))
+        zip(
+            plan.traced.in_names,
+            jax.tree_util.tree_leaves(plan.in_specs, is_leaf=lambda x: isinstance(x, P)),
+        )
     )
     assert specs["model/blocks/0/attn/query_proj/weight"] == P("model")
     assert specs["model/blocks/0/mlp/layers/1/weight"] == P(None, "model")
@@ -110,9 +112,11 @@ def test_unhashable_static_leaf_keys_by_identity(mesh):
 def test_module_with_committed_arrays_and_optax_state(mesh, mlp):
     optimizer = optax.sgd(0.1)
     placed = jax.tree.map(
-        lambda a: jax.device_put(a, NamedSharding(mesh, P(*(["model"] + [None] * (a.ndim - 1)))))
-        if eqx.is_array(a) and a.shape[0] % 4 == 0
-        else a,
+        lambda a: (
+            jax.device_put(a, NamedSharding(mesh, P(*(["model"] + [None] * (a.ndim - 1)))))
+            if eqx.is_array(a) and a.shape[0] % 4 == 0
+            else a
+        ),
         mlp,
     )
 
