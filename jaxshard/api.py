@@ -357,7 +357,9 @@ class AutoShard:
         arguments (arrays or `jax.ShapeDtypeStruct`s), then created by
         ``jax.jit(init_fn, out_shardings=<planned>)``: every device computes only its own
         shards and no device ever holds a replicated copy. The plan is cached, so the
-        first step call with the real arguments plans nothing.
+        first step call with the real arguments plans nothing. With ``static_leaves`` the
+        non-array leaves ``init_fn`` returns (an Equinox module's activation) come back
+        as made.
 
         Example:
             >>> def init(key):
@@ -365,8 +367,10 @@ class AutoShard:
             ...     return params, optimizer.init(params)
             >>> params, opt_state = step.init_sharded(init, key, rest=(batch,))  # doctest: +SKIP
         """
+        sink: dict = {}
+        make = _arrays_only(init_fn, sink) if self.static_leaves else init_fn
         with jax.set_mesh(auto_view(self.mesh)):  # Flax's eager sharding wants a mesh
-            shapes = jax.eval_shape(init_fn, *init_args, **init_kwargs)
+            shapes = jax.eval_shape(make, *init_args, **init_kwargs)
         if type(shapes) is not tuple:
             raise ShardingError(
                 f"init_sharded: {_fn_name(init_fn)} returned a {type(shapes).__name__}; return a "
@@ -379,15 +383,27 @@ class AutoShard:
                 f"init_sharded: argument {static[0]} is static, but {_fn_name(init_fn)} returns "
                 f"the first {len(shapes)} arguments; initialize only dynamic leading arguments"
             )
-        entry, _, _, _ = self._entry((*shapes, *rest), dict(rest_kwargs or {}))
+        full = sink["out"].combine(shapes) if self.static_leaves else shapes
+        entry, _, _, _ = self._entry((*full, *rest), dict(rest_kwargs or {}))
         count = len(jax.tree_util.tree_leaves(shapes))
         shardings = jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(shapes), entry.lowered.in_shardings[:count]
         )
         with jax.set_mesh(entry.lowered.mesh):
-            made = jax.jit(init_fn, out_shardings=shardings)(*init_args, **init_kwargs)
+            made = jax.jit(make, out_shardings=shardings)(*init_args, **init_kwargs)
         leaves, tree = jax.tree_util.tree_flatten(made)
-        return jax.tree_util.tree_unflatten(tree, self._to_caller_mesh(leaves))
+        made = jax.tree_util.tree_unflatten(tree, self._to_caller_mesh(leaves))
+        return sink["out"].combine(made) if self.static_leaves else made
+
+
+def _arrays_only(fn: Callable, sink: dict) -> Callable:
+    """``fn`` returning its array results only, its static results kept in ``sink``."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out, sink["out"] = partition_outputs(fn(*args, **kwargs))
+        return out
+
+    return wrapped
 
 
 def _place(x: Any, sharding: NamedSharding) -> Any:

@@ -131,3 +131,27 @@ def test_module_with_committed_arrays_and_optax_state(mesh, mlp):
     ref_loss, ref_new, _ = eqx.filter_jit(step)(mlp, state, X)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     _assert_arrays_close(new, ref_new)
+
+
+def test_init_sharded_builds_modules_in_their_planned_layout(mesh):
+    optimizer = optax.sgd(0.1)
+
+    def init(key):
+        model = eqx.nn.MLP(4, 2, 8, 1, key=key)
+        return model, optimizer.init(eqx.filter(model, eqx.is_array))
+
+    def step(model, opt_state, x):
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return loss, eqx.apply_updates(model, updates), opt_state
+
+    hints = {"x": P("data"), "model/layers/0/weight": P("model")}
+    sharded = jaxshard.auto_shard(mesh, hints, static_leaves=True)(step)
+    model, state = sharded.init_sharded(init, jax.random.key(0), rest=(X,))
+    assert model.activation is jax.nn.relu
+    assert model.layers[0].weight.sharding.spec == P("model")
+    loss, _, _ = sharded(model, state, X)
+    assert sharded.plans_made == 1
+    np.testing.assert_allclose(
+        loss, eqx.filter_jit(step)(*init(jax.random.key(0)), X)[0], rtol=1e-5
+    )
