@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxshard.annotate import pin_from_spec
 from jaxshard.cost import CostModel
 from jaxshard.errors import ShardingError
+from jaxshard.filtering import Partitioned, partition, partition_outputs
 from jaxshard.flax_meta import (
     Rules,
     check_rules,
@@ -56,6 +57,7 @@ class _Entry:
     def __init__(self, lowered: Lowered, donated: Sequence[int]):
         self.lowered, self.donated = lowered, tuple(sorted(donated))
         self.jitted = lowered.jitted
+        self.out_static: Partitioned | None = None  # static results, with static_leaves
         if self.donated:
             self.jitted = jax.jit(
                 lowered.jitted,
@@ -94,6 +96,7 @@ class Options:
     memory_budget: float | None = None
     cost_model: CostModel | None = None
     search_time_limit: float = 30.0
+    static_leaves: bool = False
 
     @classmethod
     def of(cls, caller: str, keywords: Mapping[str, Any]) -> Options:
@@ -116,6 +119,11 @@ class Options:
         _check_search_options(
             self.search, self.memory_budget, self.cost_model, self.search_time_limit, self.plan
         )
+        if not isinstance(self.static_leaves, bool):
+            raise ShardingError(
+                f"static_leaves is True or False, got {self.static_leaves!r}; True treats every "
+                "non-array leaf as static, like eqx.filter_jit"
+            )
 
 
 class AutoShard:
@@ -152,6 +160,7 @@ class AutoShard:
         self.search, self.memory_budget = options.search, options.memory_budget
         self.cost_model, self.search_time_limit = options.cost_model, options.search_time_limit
         self._latest: Plan | None = None  # the plan made last, for `search_result`
+        self.static_leaves = options.static_leaves
         try:
             self._signature: inspect.Signature | None = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -199,6 +208,9 @@ class AutoShard:
 
     def _entry(self, args: tuple, kwargs: dict) -> tuple[_Entry, list[Any], tuple, dict]:
         dyn_args, dyn_kwargs, static, positions = self._split(args, kwargs)
+        leaf_static = None
+        if self.static_leaves:
+            (dyn_args, dyn_kwargs), leaf_static = partition((dyn_args, dyn_kwargs))
         leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         signature = []
         for i, leaf in enumerate(leaves):
@@ -208,24 +220,40 @@ class AutoShard:
                 names = arg_names(self._bind_static(static, positions), dyn_args, dyn_kwargs)[0]
                 abstractify(leaf, names[i])  # raises with the leaf's path
             signature.append((a.shape, a.dtype, a.weak_type))
-        key = (tree, tuple(signature), static)
+        key = (tree, tuple(signature), static, leaf_static and _static_key(leaf_static, self.fn))
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._cache[key] = self._build(dyn_args, dyn_kwargs, static, positions)
+            entry = self._build(dyn_args, dyn_kwargs, static, positions, leaf_static)
+            self._cache[key] = entry
         return entry, leaves, dyn_args, dyn_kwargs
 
-    def _bind_static(self, static: tuple, positions: tuple[int, ...]) -> Callable:
+    def _bind_static(
+        self,
+        static: tuple,
+        positions: tuple[int, ...],
+        leaf_static: Partitioned | None = None,
+        sink: dict | None = None,
+    ) -> Callable:
         """``fn`` with the static arguments closed over and the Linen boxes quieted; its
-        signature lists the dynamic parameters only, so leaves keep their names."""
+        signature lists the dynamic parameters only, so leaves keep their names. With
+        ``leaf_static`` the non-array leaves are put back before ``fn`` runs and its
+        non-array results are left out, kept in ``sink["out"]``."""
         fn, (static_pos, static_kw) = self.fn, static
         static_kwargs = dict(static_kw)
 
         def traced_fn(*dyn_args, **dyn_kwargs):
+            if leaf_static is not None:
+                dyn_args, dyn_kwargs = leaf_static.combine((dyn_args, dyn_kwargs))
             dyn_args, dyn_kwargs = quiet_linen_boxes((dyn_args, dyn_kwargs))
             full = list(dyn_args)
             for i, value in static_pos:
                 full.insert(i, value)
-            return restore_linen_boxes(fn(*full, **dyn_kwargs, **static_kwargs))
+            out = restore_linen_boxes(fn(*full, **dyn_kwargs, **static_kwargs))
+            if leaf_static is not None:
+                out, out_static = partition_outputs(out)
+                if sink is not None:
+                    sink["out"] = out_static
+            return out
 
         traced_fn.__name__ = getattr(fn, "__name__", "fn")
         traced_fn.__wrapped__ = fn  # type: ignore[attr-defined]  # JAX's errors name fn's line
@@ -235,8 +263,16 @@ class AutoShard:
             traced_fn.__signature__ = self._signature.replace(parameters=params)  # type: ignore[attr-defined]
         return traced_fn
 
-    def _build(self, dyn_args: tuple, dyn_kwargs: dict, static: tuple, positions) -> _Entry:
-        fn = self._bind_static(static, positions)
+    def _build(
+        self,
+        dyn_args: tuple,
+        dyn_kwargs: dict,
+        static: tuple,
+        positions,
+        leaf_static: Partitioned | None = None,
+    ) -> _Entry:
+        sink: dict = {}
+        fn = self._bind_static(static, positions, leaf_static, sink)
         hints = resolve_hint_specs(self.hints, self.mesh, self.logical_axis_rules)
         if self.flax_metadata:
             for key, spec in self._metadata_hints(fn, dyn_args, dyn_kwargs).items():
@@ -269,7 +305,9 @@ class AutoShard:
                 donated.add(k)
         if self.donate_state:
             donated.update(i for i, _ in plan.graph.ties)
-        return _Entry(Lowered(plan), donated)
+        entry = _Entry(Lowered(plan), donated)
+        entry.out_static = sink.get("out")
+        return entry
 
     def _metadata_hints(self, fn: Callable, dyn_args: tuple, dyn_kwargs: dict) -> dict:
         """Exact-path hints from the Flax metadata of boxed arguments, validated here so
@@ -338,9 +376,10 @@ class AutoShard:
         entry, flat, _, _ = self._entry(args, kwargs)
         placed = [_place(x, s) for x, s in zip(flat, entry.lowered.in_shardings)]
         outs = entry(placed)
-        return jax.tree_util.tree_unflatten(
+        out = jax.tree_util.tree_unflatten(
             entry.lowered.plan.traced.out_tree, self._to_caller_mesh(outs)
         )
+        return out if entry.out_static is None else entry.out_static.combine(out)
 
     def _to_caller_mesh(self, arrays: Sequence[Any]) -> list[Any]:
         """Arrays on the plan's Auto view handed back on the caller's (Explicit) mesh."""
@@ -364,7 +403,9 @@ class AutoShard:
         arguments (arrays or `jax.ShapeDtypeStruct`s), then created by
         ``jax.jit(init_fn, out_shardings=<planned>)``: every device computes only its own
         shards and no device ever holds a replicated copy. The plan is cached, so the
-        first step call with the real arguments plans nothing.
+        first step call with the real arguments plans nothing. With ``static_leaves`` the
+        non-array leaves ``init_fn`` returns (an Equinox module's activation) come back
+        as made.
 
         Example:
             >>> def init(key):
@@ -372,8 +413,10 @@ class AutoShard:
             ...     return params, optimizer.init(params)
             >>> params, opt_state = step.init_sharded(init, key, rest=(batch,))  # doctest: +SKIP
         """
+        sink: dict = {}
+        make = _arrays_only(init_fn, sink) if self.static_leaves else init_fn
         with jax.set_mesh(auto_view(self.mesh)):  # Flax's eager sharding wants a mesh
-            shapes = jax.eval_shape(init_fn, *init_args, **init_kwargs)
+            shapes = jax.eval_shape(make, *init_args, **init_kwargs)
         if type(shapes) is not tuple:
             raise ShardingError(
                 f"init_sharded: {_fn_name(init_fn)} returned a {type(shapes).__name__}; return a "
@@ -386,15 +429,27 @@ class AutoShard:
                 f"init_sharded: argument {static[0]} is static, but {_fn_name(init_fn)} returns "
                 f"the first {len(shapes)} arguments; initialize only dynamic leading arguments"
             )
-        entry, _, _, _ = self._entry((*shapes, *rest), dict(rest_kwargs or {}))
+        full = sink["out"].combine(shapes) if self.static_leaves else shapes
+        entry, _, _, _ = self._entry((*full, *rest), dict(rest_kwargs or {}))
         count = len(jax.tree_util.tree_leaves(shapes))
         shardings = jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(shapes), entry.lowered.in_shardings[:count]
         )
         with jax.set_mesh(entry.lowered.mesh):
-            made = jax.jit(init_fn, out_shardings=shardings)(*init_args, **init_kwargs)
+            made = jax.jit(make, out_shardings=shardings)(*init_args, **init_kwargs)
         leaves, tree = jax.tree_util.tree_flatten(made)
-        return jax.tree_util.tree_unflatten(tree, self._to_caller_mesh(leaves))
+        made = jax.tree_util.tree_unflatten(tree, self._to_caller_mesh(leaves))
+        return sink["out"].combine(made) if self.static_leaves else made
+
+
+def _arrays_only(fn: Callable, sink: dict) -> Callable:
+    """``fn`` returning its array results only, its static results kept in ``sink``."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out, sink["out"] = partition_outputs(fn(*args, **kwargs))
+        return out
+
+    return wrapped
 
 
 def _place(x: Any, sharding: NamedSharding) -> Any:
@@ -410,6 +465,20 @@ def _place(x: Any, sharding: NamedSharding) -> Any:
         return x
     value = np.asarray(x)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def _static_key(leaf_static: Partitioned, fn: Callable) -> tuple:
+    """The static leaves' cache key; a static leaf whose ``__eq__`` cannot answer (an
+    array-like that is not an array) is an error naming it."""
+    key = leaf_static.key()
+    try:
+        hash(key)
+    except TypeError as e:
+        raise ShardingError(
+            f"a static leaf of {_fn_name(fn)} cannot be hashed ({e}); with static_leaves=True "
+            "every non-array leaf keys the plan cache. Make it hashable or an array."
+        ) from None
+    return key
 
 
 def _fn_name(fn: Callable) -> str:
@@ -500,6 +569,13 @@ def auto_shard(
     print progress to stderr. Each plan's ``search_result`` explains its search (the
     wrapper's ``search_result`` is the latest plan's).
     Without search, ``cost_model`` still prices propagation's conflicts.
+
+    ``static_leaves=True`` takes arguments the way ``eqx.filter_jit`` does: array leaves
+    (`jax.Array`, NumPy arrays, `jax.ShapeDtypeStruct`) are planned and traced, named by
+    their paths (``model/layers/0/weight``); every other leaf (activation functions, ints,
+    callables inside an Equinox module) is static: hashed into the cache key (unhashable
+    ones by identity, so mutating one in place is not seen), and non-array results are
+    returned as they were made while tracing. Works on any pytree; see `jaxshard.filtering`.
 
     Example:
         >>> import jax, jax.numpy as jnp

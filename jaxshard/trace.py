@@ -91,8 +91,9 @@ def abstractify(leaf: Any, name: str) -> jax.ShapeDtypeStruct:
     if shape is None or dtype is None:
         raise ShardingError(
             f"argument leaf {name} is a {type(leaf).__name__}, not an array: jaxshard plans "
-            "arrays only. Pass it as an array, or close over it (functools.partial) if it is "
-            "configuration."
+            "arrays only. Pass it as an array, close over it (functools.partial) if it is "
+            "configuration, or pass static_leaves=True to auto_shard to keep every non-array "
+            "leaf static (an Equinox module's activation, ints, callables) like eqx.filter_jit."
         )
     return jax.ShapeDtypeStruct(
         tuple(shape), dtype, weak_type=bool(getattr(leaf, "weak_type", False))
@@ -150,7 +151,7 @@ def trace(
 
     def flat_fn(*flat):
         a, k = jax.tree_util.tree_unflatten(in_tree, flat)
-        return fn(*a, **k)
+        return _check_results(fn(*a, **k))
 
     _name_for_jax(flat_fn, fn, names)
     jaxpr, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
@@ -243,6 +244,22 @@ def trace_on_mesh(fn: Callable, args: tuple, kwargs: dict, mesh: Mesh) -> Traced
         f"failed with: {type(auto_error).__name__}: {first}"
     )
     raise explicit_error from None
+
+
+def _check_results(out: Any) -> Any:
+    """``out`` unchanged, or a ShardingError naming the first result leaf that is not an
+    array (JAX's own error names only its flat index)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if not isinstance(leaf, (jax.Array, jax.core.Tracer, np.ndarray, np.generic)) and (
+            not isinstance(leaf, (bool, int, float, complex))
+        ):
+            raise ShardingError(
+                f"result leaf {path_name('out', path)} is a {type(leaf).__name__}, not an "
+                "array: jaxshard returns arrays only. Pass static_leaves=True to auto_shard to "
+                "return non-array leaves as they were made (an Equinox module with its "
+                "activation function), like eqx.filter_jit, or return arrays only."
+            )
+    return out
 
 
 def _name_for_jax(flat_fn: Callable, fn: Callable, names: Sequence[str]) -> None:

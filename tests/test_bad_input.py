@@ -277,6 +277,26 @@ def test_non_array_leaf_deep_in_a_list_names_its_path(mesh):
         plan(mesh, {}, fn=lambda batch: batch["x"], args=({"x": X, "extras": [X, object()]},))
 
 
+def test_module_with_an_activation_suggests_static_leaves(mesh):
+    eqx = pytest.importorskip("equinox")
+    mlp = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
+    error = r"argument leaf model/activation is a .*static_leaves=True.*eqx.filter_jit"
+    with pytest.raises(ShardingError, match=error):
+        plan(mesh, {}, fn=lambda model, x: jax.vmap(model)(x), args=(mlp, X))
+
+
+def test_non_array_result_names_its_path_and_suggests_static_leaves(mesh):
+    error = r"result leaf out/fn is a PjitFunction, not an array.*static_leaves=True"
+    with pytest.raises(ShardingError, match=error):
+        plan(mesh, {}, fn=lambda x: {"y": x * 2, "fn": jnp.tanh}, args=(X,))
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None], ids=["str", "int", "none"])
+def test_static_leaves_that_is_not_a_bool(mesh, value):
+    with pytest.raises(ShardingError, match=r"static_leaves is True or False, got"):
+        jaxshard.auto_shard(mesh, static_leaves=value)(lambda x: x)
+
+
 def test_none_inside_a_list_is_an_empty_subtree(mesh):
     p = plan(mesh, {"batch/0": P("data")}, fn=lambda batch: batch[0] * 2, args=([X, None],))
     assert p.in_specs == ([P("data"), None],)
@@ -376,8 +396,8 @@ def test_debug_print_inside_the_function_plans_without_warning(mesh):
         assert plan(mesh, {"x": P("data")}, fn=g, args=(X,)).out_specs == P("data")
 
 
-def test_non_array_result_passes_jax_error_through(mesh):
-    with pytest.raises(TypeError, match=r"returned a value of type <class 'str'>"):
+def test_non_array_result_names_its_path(mesh):
+    with pytest.raises(ShardingError, match=r"result leaf out/1 is a str, not an array"):
         plan(mesh, {}, fn=lambda x: (x, "done"), args=(X,))
 
 
