@@ -244,7 +244,7 @@ def match_hints(
     for i, n in enumerate(names):
         by_name.setdefault(n, []).append(i)
     for key, pattern, spec in compiled:
-        literal = _literal(key)
+        literal = key.path if isinstance(key, ExactPath) else _literal(key)
         if literal is not None:  # an exact path (e.g. from Flax metadata): a dict lookup
             hits = by_name.get(literal, [])
         else:
@@ -259,26 +259,45 @@ def match_hints(
                 JaxshardWarning,
             )
         for i in hits:
-            source = f"hint {key!r}: {spec_text(spec)}"
+            if isinstance(key, ExactPath):
+                source = f"{key.origin} on {key.path}: {spec_text(spec)}"
+            else:
+                source = f"hint {key!r}: {spec_text(spec)}"
             pin = pin_from_spec(spec, shapes[i], axis_sizes, names[i], source)
             pins[i] = merge_pins(pins[i], pin, names[i]) if i in pins else pin
     return pins
 
 
-_COMMENT = re.compile(r"\(\?#[^)]*\)$")
+class ExactPath(str):
+    """A hints-dict key naming one path exactly, and what made the hint (Flax metadata,
+    the search). As a string it is the escaped path, a regex matching just that path, so
+    a dict of them still works as ``hints`` anywhere; planning looks the path up directly
+    and names the hint by its origin.
+
+    Example:
+        >>> key = ExactPath("params/l0/w.1", "Flax metadata")
+        >>> print(key, key.path, key.origin)
+        params/l0/w\\.1 params/l0/w.1 Flax metadata
+    """
+
+    path: str
+    origin: str
+
+    def __new__(cls, path: str, origin: str) -> ExactPath:
+        key = super().__new__(cls, re.escape(path))
+        key.path, key.origin = path, origin
+        return key
 
 
 def _literal(key: str) -> str | None:
-    """The path a hint key matches exactly when it is an escaped literal (optionally with
-    a trailing ``(?#...)`` comment), else None.
+    """The path a hint key matches exactly when it is an escaped literal, else None.
 
     Example:
-        >>> _literal(re.escape("params/l0/w.1") + "(?#Flax metadata)"), _literal("params/.*")
+        >>> _literal(re.escape("params/l0/w.1")), _literal("params/.*")
         ('params/l0/w.1', None)
     """
-    body = _COMMENT.sub("", key)
-    plain = re.sub(r"\\(.)", r"\1", body)
-    return plain if re.escape(plain) == body else None
+    plain = re.sub(r"\\(.)", r"\1", key)
+    return plain if re.escape(plain) == key else None
 
 
 def merge_pins(a: Pin, b: Pin, where: str) -> Pin:

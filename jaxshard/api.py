@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -29,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxshard.annotate import pin_from_spec
+from jaxshard.annotate import ExactPath, pin_from_spec
 from jaxshard.cost import CostModel
 from jaxshard.errors import ShardingError
 from jaxshard.filtering import Partitioned, partition, partition_outputs
@@ -47,8 +46,6 @@ from jaxshard.search import SearchResult, search_hints
 from jaxshard.trace import abstractify, arg_names
 
 # Metadata hints are exact paths with a regex comment, so explanations and errors say
-# where the pin came from: hint 'params/l1/kernel/value(?#Flax metadata)': P(None, 'model')
-METADATA_TAG = "(?#Flax metadata)"
 
 
 class _Entry:
@@ -217,7 +214,7 @@ class AutoShard:
             try:
                 a = abstractify(leaf, "")
             except ShardingError:
-                names = arg_names(self._bind_static(static, positions), dyn_args, dyn_kwargs)[0]
+                names = arg_names(self._bind_static(static), dyn_args, dyn_kwargs)[0]
                 abstractify(leaf, names[i])  # raises with the leaf's path
             signature.append((a.shape, a.dtype, a.weak_type))
         key = (tree, tuple(signature), static, leaf_static and _static_key(leaf_static, self.fn))
@@ -230,7 +227,6 @@ class AutoShard:
     def _bind_static(
         self,
         static: tuple,
-        positions: tuple[int, ...],
         leaf_static: Partitioned | None = None,
         sink: dict | None = None,
     ) -> Callable:
@@ -272,7 +268,7 @@ class AutoShard:
         leaf_static: Partitioned | None = None,
     ) -> _Entry:
         sink: dict = {}
-        fn = self._bind_static(static, positions, leaf_static, sink)
+        fn = self._bind_static(static, leaf_static, sink)
         hints = resolve_hint_specs(self.hints, self.mesh, self.logical_axis_rules)
         if self.flax_metadata:
             for key, spec in self._metadata_hints(fn, dyn_args, dyn_kwargs).items():
@@ -329,7 +325,7 @@ class AutoShard:
                     f"{e} The spec {spec[0]} comes from the Flax metadata: fix the metadata or "
                     "the logical_axis_rules, or pass flax_metadata=False and hint it yourself."
                 ) from None
-            hints[re.escape(name) + METADATA_TAG] = spec[0]
+            hints[ExactPath(name, "Flax metadata")] = spec[0]
         return hints
 
     # --- the public surface -----------------------------------------------------------

@@ -40,11 +40,11 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxshard.cost import CostModel, MemoryEstimate, human_bytes, memory_estimate, step_bytes
 from jaxshard.errors import warn
 from jaxshard.plan import Plan, gc_paused, plan_from_graph, trace_graph
-from jaxshard.search.problem import SEARCH_TAG, US, Problem, group_key
+from jaxshard.search.problem import US, Problem, group_key
 from jaxshard.search.result import SearchResult, raise_over_budget
 from jaxshard.search.solver import Infeasible, solve
 
-__all__ = ["SEARCH_TAG", "SearchResult", "group_key", "search_hints"]
+__all__ = ["SearchResult", "group_key", "search_hints"]
 
 
 def search_hints(
@@ -99,7 +99,7 @@ def search_hints(
         tried: list[tuple[MemoryEstimate, Plan, dict[int, int]]] = []
 
         def propagated(choice):
-            chosen = {k + SEARCH_TAG: v for k, v in problem.hints_for(choice).items()}
+            chosen = problem.hints_for(choice)
             searched = {**hints, **chosen}
             plan = plan_from_graph(traced, graph, mesh, searched, problem.cost_model)
             memory = memory_estimate(graph, plan.dims, plan.axis_sizes, plan.out_dims, problem.live)

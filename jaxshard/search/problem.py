@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxshard.annotate import ExactPath
 from jaxshard.cost import (
     Liveness,
     executions,
@@ -35,9 +36,6 @@ from jaxshard.plan import (
 from jaxshard.rule import FactorKind
 from jaxshard.search.memory import MemoryModel
 
-# Chosen hints carry this regex comment into the plan, so an origin reads
-
-SEARCH_TAG = "(?#jaxshard search)"
 _LAYER_INDEX = re.compile(r"(?<=/)\d+(?=/|$)")
 US = 1e6  # the objective is in microseconds
 MEMORY_TIEBREAK = 1e-9  # objective units per byte: 1 GB of memory weighs 1 µs
@@ -575,7 +573,8 @@ class Problem(MemoryModel):
         for i in sorted(self.leaf_group):
             lay = self.leaf_layout(i, choice) or []
             # a full spec: a shorter one would leave its trailing dims to propagation
-            out[re.escape(self.traced.in_names[i])] = PartitionSpec(*map(spec_entry, lay))
+            key = ExactPath(self.traced.in_names[i], "jaxshard search")
+            out[key] = PartitionSpec(*map(spec_entry, lay))
         return out
 
     def explain(self, choice, plan, memory, optimal, status, seconds) -> str:
