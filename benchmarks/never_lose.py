@@ -28,13 +28,10 @@ import os
 import time
 from dataclasses import dataclass
 
-import jax
-
 import jaxshard
 from jaxshard.baseline import CompiledCost, compiled_cost, shardy_alone
-from jaxshard.plan import mesh_axis_sizes
 
-from . import layouts
+from . import layouts, quality
 from .search import BATCH, estimated_memory, reference_hints
 from .workloads import Workload, meshes, models, quality_workloads
 
@@ -62,20 +59,8 @@ def _jaxshard(w: Workload, mesh, hints) -> tuple[CompiledCost, float, float]:
 
 
 def _hand(w: Workload, mesh, layout: layouts.Layout) -> CompiledCost:
-    params, opt_state, batch = w.args
-    specs = layout(params, mesh_axis_sizes(mesh))
-    opt = layouts.opt_state_specs(opt_state, params, specs)
-    named = lambda t: jax.tree.map(  # noqa: E731
-        lambda s: jax.sharding.NamedSharding(mesh, s), t,
-        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
-    )  # fmt: skip
-    batch_specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec("data"), batch)
-    jitted = jax.jit(
-        w.step,
-        in_shardings=named((specs, opt, batch_specs)),
-        out_shardings=named((specs, opt, jax.sharding.PartitionSpec())),
-    )
-    return compiled_cost(jitted.lower(*w.args).compile(), mesh)
+    """A hand-written layout as `benchmarks.quality` compiles it."""
+    return compiled_cost(quality.expert_layout(w, mesh, layout).compiled, mesh)
 
 
 def run(quick: bool = False, log=print) -> list[Point]:

@@ -139,7 +139,9 @@ def _shardy_alone(w: Workload, mesh, hints) -> Built:
     )
 
 
-def _expert(w: Workload, mesh, layout: layouts.Layout) -> Built:
+def expert_layout(w: Workload, mesh, layout: layouts.Layout) -> Built:
+    """A hand-written layout (`benchmarks.layouts`) as `jax.jit` in/out shardings, the batch
+    on "data" and the AdamW state like its parameter, compiled."""
     params, opt_state, batch = w.args
     param_specs = layout(params, mesh_axis_sizes(mesh))
     opt_specs = layouts.opt_state_specs(opt_state, params, param_specs)
@@ -180,16 +182,16 @@ def layouts_for(w: Workload, mesh) -> list[tuple[str, Callable[[], Built] | None
     mega = layouts.megatron(w.model)
     rows.append(
         ("(d) Megatron TP + DP" if tp else "(d) Megatron TP + DP = DP",
-         lambda: _expert(w, mesh, mega),
+         lambda: expert_layout(w, mesh, mega),
          "" if tp else "no model axis: Megatron degenerates to data parallel")
     )  # fmt: skip
     rows.append(
         ("(d) Megatron + FSDP" if tp else "(d) FSDP (ZeRO-3)",
-         lambda: _expert(w, mesh, layouts.fsdp(mega, w.model)), "")
+         lambda: expert_layout(w, mesh, layouts.fsdp(mega, w.model)), "")
     )  # fmt: skip
     if w.model == "moe":
         rows.append(
-            ("(d) expert parallel + DP", lambda: _expert(w, mesh, layouts.expert_parallel),
+            ("(d) expert parallel + DP", lambda: expert_layout(w, mesh, layouts.expert_parallel),
              "experts on " + ("model" if tp else "data"))
         )  # fmt: skip
     return rows

@@ -71,11 +71,6 @@ class Origin(NamedTuple):
     source_dim: int = -1  # ... and that value's dim
     rank: int = 0  # its pin's priority in conflicts: DEFAULT_RANK, STORAGE_RANK or HINT_RANK
 
-    @property
-    def from_hint(self) -> bool:
-        """A hint (or a storage layout), or propagated from one: beats defaults."""
-        return self.rank > DEFAULT_RANK
-
 
 @dataclass
 class Conflict:
