@@ -10,6 +10,7 @@ from jaxshard.annotate import hint
 from jaxshard.api import AutoShard, auto_shard
 from jaxshard.cost import CostModel
 from jaxshard.errors import JaxshardBug, JaxshardWarning, ShardingError
+from jaxshard.pipeline import Pipeline
 from jaxshard.plan import Plan, Reshard, make_plan
 from jaxshard.search import SearchResult, search_hints
 
@@ -18,6 +19,7 @@ __all__ = [
     "CostModel",
     "JaxshardBug",
     "JaxshardWarning",
+    "Pipeline",
     "Plan",
     "Reshard",
     "SearchResult",

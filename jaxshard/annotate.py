@@ -29,20 +29,24 @@ from jaxshard.lattice import DimSharding, check_dims, from_spec, merge_dim, spec
 # jaxshard's own frames are not the user's source line in error messages and tracebacks
 source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)))
 
+# ``origin`` is "" for a user's `hint`; jaxshard's own pins name themselves there (the
+# pipeline's stage layout, which widens the user's hints on the layers it splits)
 hint_p = Primitive("jaxshard_hint")
-hint_p.def_impl(lambda x, *, spec: x)
-hint_p.def_abstract_eval(lambda aval, *, spec: aval)
-ad.deflinear2(hint_p, lambda ct, x, *, spec: [hint_p.bind(ct, spec=spec)])
-mlir.register_lowering(hint_p, lambda ctx, x, *, spec: [x])
+hint_p.def_impl(lambda x, *, spec, origin: x)
+hint_p.def_abstract_eval(lambda aval, *, spec, origin: aval)
+ad.deflinear2(
+    hint_p, lambda ct, x, *, spec, origin: [hint_p.bind(ct, spec=spec, origin=origin)]
+)
+mlir.register_lowering(hint_p, lambda ctx, x, *, spec, origin: [x])
 
 
-def _hint_batcher(args, dims, *, spec):
+def _hint_batcher(args, dims, *, spec, origin):
     (x,), (d,) = args, dims
     if d is batching.not_mapped:
-        return hint_p.bind(x, spec=spec), d
+        return hint_p.bind(x, spec=spec, origin=origin), d
     entries = list(spec) + [PartitionSpec.UNCONSTRAINED] * (x.ndim - 1 - len(spec))
     entries.insert(d, PartitionSpec.UNCONSTRAINED)
-    return hint_p.bind(x, spec=PartitionSpec(*entries)), d
+    return hint_p.bind(x, spec=PartitionSpec(*entries), origin=origin), d
 
 
 batching.primitive_batchers[hint_p] = _hint_batcher
@@ -62,9 +66,9 @@ def hint(x: Any, spec: PartitionSpec | Any) -> Any:
         (8, 4)
     """
     if isinstance(spec, PartitionSpec):
-        return jax.tree_util.tree_map(lambda leaf: hint_p.bind(leaf, spec=spec), x)
+        return jax.tree_util.tree_map(lambda leaf: hint_p.bind(leaf, spec=spec, origin=""), x)
     return jax.tree_util.tree_map(
-        lambda leaf, s: hint_p.bind(leaf, spec=s),
+        lambda leaf, s: hint_p.bind(leaf, spec=s, origin=""),
         x,
         spec,
         is_leaf=lambda s: isinstance(s, PartitionSpec),
@@ -79,6 +83,7 @@ class PinKind(enum.Enum):
     PROGRAM = "a layout the program fixes"  # shard_map specs, with_sharding_constraint
     # explicit-sharding style: out_sharding=, reshard, an argument's explicit type
     EXPLICIT = "an explicit-sharding annotation"
+    PIPELINE = "the pipeline's stage layout"  # auto_shard(pipeline=...) on the layer stack
 
 
 @dataclass(frozen=True)
@@ -331,6 +336,7 @@ _FIX_NAME = {
     PinKind.IN_FUNCTION: "the jaxshard.hint",
     PinKind.PROGRAM: "the sharding constraint",
     PinKind.EXPLICIT: "the explicit annotation",
+    PinKind.PIPELINE: "the pipeline",
 }
 
 

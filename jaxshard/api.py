@@ -41,6 +41,7 @@ from jaxshard.flax_meta import (
     restore_linen_boxes,
 )
 from jaxshard.lower import Lowered
+from jaxshard.pipeline import Pipeline, intercepting
 from jaxshard.plan import Plan, SavedPlan, auto_view, make_plan, mesh_axis_sizes
 from jaxshard.search import SearchResult, search_hints
 from jaxshard.trace import abstractify, arg_names
@@ -94,6 +95,7 @@ class Options:
     cost_model: CostModel | None = None
     search_time_limit: float = 30.0
     static_leaves: bool = False
+    pipeline: Pipeline | None = None
 
     @classmethod
     def of(cls, caller: str, keywords: Mapping[str, Any]) -> Options:
@@ -116,6 +118,11 @@ class Options:
         _check_search_options(
             self.search, self.memory_budget, self.cost_model, self.search_time_limit, self.plan
         )
+        if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
+            raise ShardingError(
+                f"pipeline= takes a jaxshard.Pipeline(axis=..., microbatches=...), got "
+                f"{type(self.pipeline).__name__}: {self.pipeline!r}"
+            )
         if not isinstance(self.static_leaves, bool):
             raise ShardingError(
                 f"static_leaves is True or False, got {self.static_leaves!r}; True treats every "
@@ -158,6 +165,9 @@ class AutoShard:
         self.cost_model, self.search_time_limit = options.cost_model, options.search_time_limit
         self._latest: Plan | None = None  # the plan made last, for `search_result`
         self.static_leaves = options.static_leaves
+        self.pipeline = options.pipeline
+        if self.pipeline is not None:
+            self.pipeline.check_mesh(mesh.axis_names)
         try:
             self._signature: inspect.Signature | None = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -273,22 +283,11 @@ class AutoShard:
         if self.flax_metadata:
             for key, spec in self._metadata_hints(fn, dyn_args, dyn_kwargs).items():
                 hints[key] = spec
-        if self.search and self.saved_plan is None:
-            result = search_hints(
-                fn,
-                dyn_args,
-                dyn_kwargs,
-                self.mesh,
-                hints,
-                memory_budget=self.memory_budget,
-                time_limit=self.search_time_limit,
-                cost_model=self.cost_model,
-            )
-            plan = result.plan
-        else:
-            plan = make_plan(
-                fn, dyn_args, dyn_kwargs, self.mesh, hints, self.saved_plan, self.cost_model
-            )
+        with intercepting(self.pipeline, self.mesh) as seen:
+            plan = self._plan(fn, dyn_args, dyn_kwargs, hints)
+        if seen is not None:
+            seen.check()
+            plan.pipelined = tuple(dict.fromkeys(seen.loops))
         self.plans_made += 1
         self._latest = plan
         donated = set()
@@ -304,6 +303,25 @@ class AutoShard:
         entry = _Entry(Lowered(plan), donated)
         entry.out_static = sink.get("out")
         return entry
+
+    def _plan(self, fn: Callable, dyn_args: tuple, dyn_kwargs: dict, hints: dict) -> Plan:
+        """The plan for one call signature: searched, re-made from a saved plan, or
+        propagated from the hints."""
+        if self.search and self.saved_plan is None:
+            result = search_hints(
+                fn,
+                dyn_args,
+                dyn_kwargs,
+                self.mesh,
+                hints,
+                memory_budget=self.memory_budget,
+                time_limit=self.search_time_limit,
+                cost_model=self.cost_model,
+            )
+            return result.plan
+        return make_plan(
+            fn, dyn_args, dyn_kwargs, self.mesh, hints, self.saved_plan, self.cost_model
+        )
 
     def _metadata_hints(self, fn: Callable, dyn_args: tuple, dyn_kwargs: dict) -> dict:
         """Exact-path hints from the Flax metadata of boxed arguments, validated here so

@@ -313,6 +313,13 @@ def in_while_loop(graph) -> list[bool]:
 
 def _loops(graph) -> list[tuple[int, bool]]:
     """Per application: (product of the enclosing scans' lengths, inside a while loop)."""
+    count = loop_counter()
+    return [count(app.where) for app in graph.apps]
+
+
+def loop_counter():
+    """A function from an equation's enclosing equations (`App.where`) to (the product of
+    the enclosing scans' lengths, whether a while loop encloses it), memoized per chain."""
     from jax.extend.core import primitives
 
     memo: dict[int, tuple[int, bool]] = {}
@@ -329,7 +336,88 @@ def _loops(graph) -> list[tuple[int, bool]]:
             found = memo[id(where)] = (runs, unknown or eqn.primitive is primitives.while_p)
         return found
 
-    return [count(app.where) for app in graph.apps]
+    return count
+
+
+# collectives a program writes itself (inside shard_map): primitive -> (kind, axes parameter)
+_WRITTEN = {
+    "ppermute": ("collective-permute", "axis_name"),
+    "psum": ("all-reduce", "axes"),
+    "psum_invariant": ("all-reduce", "axes"),
+    "pmax": ("all-reduce", "axes"),
+    "pmin": ("all-reduce", "axes"),
+    "all_gather": ("all-gather", "axis_name"),
+    "all_gather_invariant": ("all-gather", "axis_name"),
+    "reduce_scatter": ("reduce-scatter", "axis_name"),
+    "all_to_all": ("all-to-all", "axis_name"),
+}
+
+
+@dataclass(frozen=True)
+class WrittenCollective:
+    """A collective the program writes itself (in a `shard_map` body): its kind, mesh
+    axes, per-device bytes of its operand (of its result for a gather or scatter), group
+    size, runs per call (as `executions` counts) and source line.
+
+    Example:
+        >>> c = WrittenCollective("collective-permute", ("stage",), 4096, 2, 7, False, "m.py:3")
+        >>> c.bytes, str(c)
+        (4096.0, 'collective-permute over stage (written at m.py:3)')
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    local: int
+    group: int
+    runs: int
+    in_while: bool
+    line: str
+
+    @property
+    def bytes(self) -> float:
+        """Bytes one device sends each time it runs (ring volumes, as `ring_bytes`)."""
+        return ring_bytes(self.kind, self.group, self.local)
+
+    def __str__(self) -> str:
+        return f"{self.kind} over {','.join(self.axes)} (written at {self.line})"
+
+
+def written_collectives(graph, dims, axis_sizes: Mapping[str, int]) -> list[WrittenCollective]:
+    """The collectives in the `shard_map` bodies of ``graph`` (top-level equations of each
+    body), priced with the layouts ``dims`` gives the shard_map's operands: a body sees
+    its operands whole along the axes it leaves automatic, so one device holds the body
+    value's bytes over the shards of those axes.
+
+    Example:
+        >>> [str(c) for c in written_collectives(plan.graph, plan.dims, plan.axis_sizes)]  # doctest: +SKIP
+        ['collective-permute over stage (written at pipeline.py:90)']
+    """
+    count = loop_counter()
+    out = []
+    for b in graph.boundaries:
+        body = b.eqn.params.get("jaxpr")
+        if body is None or not b.operands:
+            continue
+        body = getattr(body, "jaxpr", body)
+        manual = set(b.eqn.params.get("newly_manual_axes") or axis_sizes)
+        outer = b.operands[0]
+        auto = [tuple(a for a in (d or ()) if a not in manual) for d in dims[outer]]
+        inner = body.invars[0].aval
+        whole = nbytes(inner.shape, inner.dtype)
+        auto_shards = shards(auto, axis_sizes) if whole else 1
+        runs, in_while = count(b.where)
+        for eqn in body.eqns:
+            found = _WRITTEN.get(eqn.primitive.name)
+            if found is None:
+                continue
+            kind, param = found
+            axes = eqn.params.get(param, ())
+            axes = (axes,) if isinstance(axes, str) else tuple(axes)
+            aval = (eqn.outvars if kind in ("all-gather", "reduce-scatter") else eqn.invars)[0].aval
+            local = nbytes(aval.shape, aval.dtype) // auto_shards
+            group = math.prod(axis_sizes.get(a, 1) for a in axes)
+            out.append(WrittenCollective(kind, axes, local, group, runs, in_while, b.line))
+    return out
 
 
 def step_bytes(plan) -> float:
@@ -341,7 +429,8 @@ def step_bytes(plan) -> float:
         >>> step_bytes(plan)  # doctest: +SKIP
         5246976.0
     """
-    return sum(r.bytes * r.runs for r in plan.reshards)
+    reshards = sum(r.bytes * r.runs for r in plan.reshards)
+    return reshards + sum(c.bytes * c.runs for c in plan.written)
 
 
 # --- memory --------------------------------------------------------------------------

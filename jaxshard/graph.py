@@ -80,6 +80,17 @@ class App(NamedTuple):
         return f"{self.eqn.primitive.name} at {source_line(self.eqn, self.where)}"
 
 
+class Boundary(NamedTuple):
+    """An equation propagation does not cross (`shard_map`), where it is in the program
+    (``where``: its enclosing equations, as `App.where`), its values and source line."""
+
+    eqn: JaxprEqn
+    where: Where
+    operands: tuple[int, ...]
+    results: tuple[int, ...]
+    line: str
+
+
 @dataclass
 class Graph:
     """Values (shape, dtype, optional name) and the applications between them."""
@@ -94,6 +105,8 @@ class Graph:
     # per jaxpr call site (the path of equation indices to it): its variables' values
     var_vids: dict[Path, dict[Any, int]] = field(default_factory=dict)
     ties: list[tuple[int, int]] = field(default_factory=list)  # (arg leaf, result leaf)
+    # equations propagation does not cross (shard_map): their collectives are the program's
+    boundaries: list[Boundary] = field(default_factory=list)
     unknown: dict[str, str] = field(default_factory=dict)  # primitive -> first source line
     # primitive -> the values its equations cut off: (operands, results)
     cut: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict, repr=False)
@@ -240,10 +253,11 @@ def _build(
         operands = [read(v) for v in eqn.invars]
         primitive = eqn.primitive
         if primitive is hint_p:
-            vid, spec = operands[0], eqn.params["spec"]
-            where = f"jaxshard.hint at {source_line(eqn, enclosing)}"
+            vid, spec, origin = operands[0], eqn.params["spec"], eqn.params["origin"]
+            where = origin or f"jaxshard.hint at {source_line(eqn, enclosing)}"
             pin = pin_from_spec(spec, g.shapes[vid], axis_sizes, where, spec_text(spec))
-            pin = Pin(pin.dims, f"{where}: {spec_text(spec)}", PinKind.IN_FUNCTION)
+            kind = PinKind.PIPELINE if origin else PinKind.IN_FUNCTION
+            pin = Pin(pin.dims, f"{where}: {spec_text(spec)}", kind)
             g.pins[vid] = merge_pins(g.pins[vid], pin, g.value_name(vid)) if vid in g.pins else pin
             bind(eqn.outvars[0], vid)
             continue
@@ -294,9 +308,9 @@ def _build(
             )
             continue
         if boundary_fn is not None:
-            _pin_boundary(
-                g, eqn, boundary_fn(eqn), operands, results, source_line(eqn, enclosing), axis_sizes
-            )
+            line = source_line(eqn, enclosing)
+            _pin_boundary(g, eqn, boundary_fn(eqn), operands, results, line, axis_sizes)
+            g.boundaries.append(Boundary(eqn, enclosing, tuple(operands), tuple(results), line))
             continue
         rule = None
         if rule_fn is not None:

@@ -20,16 +20,18 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxshard.annotate import Pin, match_hints, merge_pins
+from jaxshard.annotate import Pin, PinKind, match_hints, merge_pins
 from jaxshard.cost import (
     CostModel,
     PlannedCollective,
+    WrittenCollective,
     executions,
     in_while_loop,
     nbytes,
     per_device_bytes,
     reshard_collectives,
     step_bytes,
+    written_collectives,
 )
 from jaxshard.errors import ShardingError
 from jaxshard.graph import Graph, build_graph
@@ -123,10 +125,15 @@ class Plan:
         self.conflicts: list[Conflict] = list(prop.state.conflicts.values())
         self.visits = prop.state.visits
         self.search_result: Any = None  # set by search_hints before it returns the plan
+        self.pipelined: tuple = ()  # the PipelinedLoops of auto_shard(pipeline=...)
         self.partial: dict[int, frozenset[str]] = {}
         self.reshards: list[Reshard] = []
         self._runs, self._in_while = executions(graph), in_while_loop(graph)
         self._analyze(prop)
+        # the collectives the program writes itself (shard_map bodies), priced like reshards
+        self.written: list[WrittenCollective] = written_collectives(
+            graph, self.dims, self.axis_sizes
+        )
         if out_dims is None:
             out_dims = [self.dims[v] for v in graph.out_vids]
             for i, o in graph.ties:  # the new value of an argument keeps its layout...
@@ -519,7 +526,40 @@ def hint_pins(
     for i, pin in match_hints(hints, names, [graph.shapes[v] for v in vids], axis_sizes).items():
         vid = vids[i]
         pins[vid] = merge_pins(pins[vid], pin, names[i]) if vid in pins else pin
+    _stack_on_stages(graph, pins)
     return pins
+
+
+def _stack_on_stages(graph: Graph, pins: dict[int, Pin]) -> None:
+    """A pipeline splits a stacked argument's layer dim over its stage axis: where a hint
+    pins that argument's layer dim unsharded (``P(None, None, 'model')`` written for the
+    unpipelined step), the stage axis goes there; a hint that puts another axis there
+    is an error naming both."""
+    producer = {r: a for a, app in enumerate(graph.apps) for r in app.results}
+    arguments = set(graph.in_vids)
+    for vid, pin in list(pins.items()):
+        if pin.kind is not PinKind.PIPELINE or not pin.dims or not pin.dims[0]:
+            continue
+        stacked = vid
+        for _ in range(8):  # back through the reshape (and a flip or cast) to the argument
+            a = producer.get(stacked)
+            if stacked in arguments or a is None or len(graph.apps[a].operands) != 1:
+                break
+            stacked = graph.apps[a].operands[0]
+        hinted = pins.get(stacked)
+        if stacked not in arguments or hinted is None or hinted.kind is PinKind.PIPELINE:
+            continue
+        layer = hinted.dims[0]
+        if layer == ():
+            dims = (pin.dims[0], *hinted.dims[1:])
+            source = f"{hinted.source}, its layer dim on {pin.source}"
+            pins[stacked] = Pin(dims, source, hinted.kind)
+        elif layer is not None and layer != pin.dims[0]:
+            raise ShardingError(
+                f"{graph.value_name(stacked)}: {hinted.source} puts {layer} on the layer dim "
+                f"that {pin.source} splits over {pin.dims[0]}; leave that dim to the "
+                "pipeline (None or P.UNCONSTRAINED) or drop pipeline="
+            )
 
 
 def plan_from_graph(

@@ -118,6 +118,9 @@ def predicted_collectives(plan) -> list[Collective]:
             local = after if kind in ("all-gather", "reduce-scatter") else before
             group = math.prod(sizes[a] for a in axes)
             out.append(Collective(kind, axes, local, group, None if r.in_while else r.runs))
+    for c in plan.written:
+        runs = None if c.in_while else c.runs
+        out.append(Collective(c.kind, frozenset(c.axes), c.local, c.group, runs))
     return out
 
 

@@ -121,7 +121,9 @@ def _positional_region(eqn: JaxprEqn, param: str) -> list[Region]:
 
 @register_boundary(primitive("shard_map"))
 def shard_map_boundary(eqn: JaxprEqn) -> tuple[list[PartitionSpec], list[PartitionSpec]]:
-    """The specs `shard_map` was given; dims they leave out are replicated.
+    """The specs `shard_map` was given; dims they leave out are replicated. A shard_map
+    manual over some mesh axes only (``axis_names=``) pins just those: its other axes stay
+    automatic, so dims its specs leave out are left to the planner (``P.UNCONSTRAINED``).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -133,8 +135,14 @@ def shard_map_boundary(eqn: JaxprEqn) -> tuple[list[PartitionSpec], list[Partiti
         ([P('data', None)], [P('data', None)])
     """
 
+    manual = eqn.params.get("newly_manual_axes")
+    mesh_axes = set(getattr(eqn.params.get("mesh"), "axis_names", ()))
+    partial = bool(manual) and set(manual) != mesh_axes
+    rest = PartitionSpec.UNCONSTRAINED if partial else None
+
     def full(spec, var):
-        entries = list(spec) + [None] * (len(var.aval.shape) - len(spec))
+        entries = [rest if e is None and partial else e for e in spec]
+        entries += [rest] * (len(var.aval.shape) - len(spec))
         return PartitionSpec(*entries)
 
     ins = [full(s, v) for s, v in zip(eqn.params["in_specs"], eqn.invars)]

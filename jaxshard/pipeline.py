@@ -1,0 +1,641 @@
+"""Pipeline parallelism from unchanged code: a scan over layers runs as a GPipe pipeline.
+
+``auto_shard(mesh, hints, pipeline=Pipeline(axis="stage", microbatches=M))`` traces the
+step with `jax.lax.scan` intercepted. A scan *qualifies* when it loops over stacked
+per-layer arrays (``xs``, leading dim L) with a carry whose leading dim is the batch B,
+returns only the carry, and the factor rules prove its body treats the batch rows
+independently: a pseudo mesh axis of size M pinned on the carry's batch dim must reach
+the new carry on the same dim, never be summed over (no reduction over the batch), never
+need resharding (no rule mixes rows), and never reach ``xs``. Values the body closes
+over that carry the batch (a mask of shape (B, T)) travel with their microbatch.
+
+A qualifying scan is replaced by a pipeline over the mesh axis ``axis`` of size S:
+stage s holds layers [s·L/S, (s+1)·L/S) (the stacked arrays reshaped to (S, L/S, ...)
+and pinned on the stage dim, so the parameters and their optimizer state are stored
+split over the stage axis on the layer dim); the batch is split into M microbatches
+(microbatch m holds rows m, M+m, 2M+m, ... so a data-parallel batch dim stays
+sharded); a buffer holds one microbatch per stage, and each of M+S−1 iterations feeds
+the next microbatch to stage 0, runs every stage's layers on its slot (a `vmap` over
+the stage dim), collects the finished microbatch from the last stage and shifts the
+buffer one stage on with a collective-permute (`lax.ppermute` in a `shard_map` manual
+over the stage axis only). The step's own `jax.grad` differentiates this loop: the
+backward pass is the reverse loop (GPipe: all forward microbatches, then all backward),
+and per-layer weight gradients come out summed over microbatches. The body runs on
+microbatch-sized values: its shapes are rewritten from the propagation (a reshape to
+(B, T, H, Dh) becomes (B/M, T, H, Dh)); custom derivative rules inside the body are
+inlined (their primal is differentiated).
+
+Bubble iterations compute on real data (the buffer starts as copies of the first
+microbatch) whose results are dropped, so no NaN enters the gradients from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
+from jax.sharding import PartitionSpec as P
+
+from jaxshard.annotate import Pin, hint_p
+from jaxshard.errors import ShardingError
+from jaxshard.graph import Graph, build_graph
+from jaxshard.propagate import Propagator
+from jaxshard.rule import region_fn_for
+from jaxshard.trace import Traced
+
+MICROBATCH = "__microbatch__"  # the pseudo mesh axis that proves batch independence
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Pipeline parallelism for `auto_shard`: the layer scans of the step run as a GPipe
+    pipeline over mesh axis ``axis`` with ``microbatches`` microbatches (module doc).
+
+    Example:
+        >>> Pipeline(axis="stage", microbatches=4).bubble(stages=2)
+        0.2
+    """
+
+    axis: str = "stage"
+    microbatches: int = 4
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.axis, str) or not self.axis:
+            raise ShardingError(
+                f"Pipeline(axis={self.axis!r}): the axis is the name of a mesh axis, e.g. "
+                "Pipeline(axis='stage', microbatches=4)"
+            )
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or (
+            self.microbatches < 1
+        ):
+            raise ShardingError(
+                f"Pipeline(microbatches={self.microbatches!r}): give a positive int that "
+                "divides the batch, e.g. microbatches=4"
+            )
+
+    def bubble(self, stages: int) -> float:
+        """The fraction of a GPipe step each stage idles: (S−1)/(M+S−1).
+
+        Example:
+            >>> [round(Pipeline(microbatches=m).bubble(4), 2) for m in (1, 4, 16)]
+            [0.75, 0.43, 0.16]
+        """
+        return (stages - 1) / (self.microbatches + stages - 1)
+
+    def check_mesh(self, axis_names: Sequence[str]) -> None:
+        """A ShardingError unless the pipeline's axis is one of the mesh's.
+
+        Example:
+            >>> Pipeline(axis="stage").check_mesh(("stage", "data"))
+        """
+        if self.axis not in axis_names:
+            raise ShardingError(
+                f"Pipeline(axis={self.axis!r}) is not an axis of the mesh {tuple(axis_names)}; "
+                f"add a {self.axis!r} axis to the mesh (e.g. jax.make_mesh((2, 2, 2), "
+                f"({self.axis!r}, 'data', 'model'))) or name one of its axes"
+            )
+
+
+@dataclass(frozen=True)
+class PipelinedLoop:
+    """A scan jaxshard pipelined: where, its layers, stages, microbatches and batch.
+
+    Example:
+        >>> loop = PipelinedLoop("model.py:40 (loss)", 8, 2, 4, 16, ((16, 64, 32),), 0)
+        >>> loop.bubble, loop.describe().splitlines()[0]
+        (0.2, 'scan at model.py:40 (loss): 8 layers over 2 stages (4 layers each), 4 microbatches of 4 rows')
+    """
+
+    line: str
+    layers: int
+    stages: int
+    microbatches: int
+    batch: int
+    carry: tuple[tuple[int, ...], ...]
+    moving_consts: int  # values the body closes over that carry the batch
+
+    @property
+    def bubble(self) -> float:
+        """(S−1)/(M+S−1): the share of each stage's iterations that compute nothing kept."""
+        return (self.stages - 1) / (self.microbatches + self.stages - 1)
+
+    def describe(self) -> str:
+        """Lines for `Plan.explain`."""
+        s, m = self.stages, self.microbatches
+        lines = [
+            f"scan at {self.line}: {self.layers} layers over {s} stages ({self.layers // s} "
+            f"layers each), {m} microbatches of {self.batch // m} rows",
+            f"  GPipe schedule: {m + s - 1} iterations forward, then as many backward; "
+            f"bubble (S-1)/(M+S-1) = {self.bubble:.1%} of each stage's work is discarded",
+            f"  carry {', '.join(str(c) for c in self.carry)} moves one stage per iteration "
+            "by collective-permute",
+        ]
+        if self.moving_consts:
+            lines.append(
+                f"  {self.moving_consts} value(s) the body closes over carry the batch and "
+                "move with their microbatch"
+            )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        """A JSON-able record (`Plan.to_json`)."""
+        return {
+            "line": self.line,
+            "layers": self.layers,
+            "stages": self.stages,
+            "microbatches": self.microbatches,
+            "batch": self.batch,
+        }
+
+
+class _Rejected(Exception):
+    """A scan that does not qualify, with the reason."""
+
+
+@dataclass
+class Interception:
+    """What one planning's tracing pipelined (``loops``) and which scans it left as they
+    were and why (``left``: (source line, reason))."""
+
+    pipeline: Pipeline
+    stages: int
+    loops: list[PipelinedLoop] = field(default_factory=list)
+    left: list[tuple[str, str]] = field(default_factory=list)
+    busy: int = 0
+
+    def check(self) -> None:
+        """A ShardingError naming every scan seen and why, when none was pipelined."""
+        if self.loops:
+            return
+        seen = "".join(f"\n  scan at {line}: {why}" for line, why in self.left) or (
+            "\n  (the step calls no jax.lax.scan)"
+        )
+        raise ShardingError(
+            f"pipeline={self.pipeline}: no scan of the step qualifies for pipelining.{seen}\n"
+            "Run the layers as jax.lax.scan(body, x, stacked_params) with the activations "
+            "(batch first) as the carry and the per-layer parameters as xs, returning "
+            "(new_x, None); or drop pipeline= to plan without pipelining."
+        )
+
+
+_ACTIVE = threading.local()  # the Interception of the planning on this thread, if any
+_ORIGINAL_SCAN = jax.lax.scan
+
+
+@contextlib.contextmanager
+def intercepting(pipeline: Pipeline | None, mesh: Any) -> Iterator[Interception | None]:
+    """While tracing under this context, `jax.lax.scan` calls that qualify run as a
+    pipeline over ``pipeline.axis`` of ``mesh``; yields the `Interception` (None and no
+    effect when ``pipeline`` is None). The caller checks `Interception.check` after
+    tracing.
+
+    Example:
+        >>> with intercepting(None, mesh) as seen:  # doctest: +SKIP
+        ...     plan = make_plan(step, args, {}, mesh, hints)
+    """
+    if pipeline is None:
+        yield None
+        return
+    pipeline.check_mesh(mesh.axis_names)
+    seen = Interception(pipeline, dict(zip(mesh.axis_names, mesh.devices.shape))[pipeline.axis])
+    outer = getattr(_ACTIVE, "value", None)
+    _ACTIVE.value = seen
+    jax.lax.scan = _scan
+    try:
+        yield seen
+    finally:
+        _ACTIVE.value = outer
+        if outer is None:
+            jax.lax.scan = _ORIGINAL_SCAN
+
+
+def _scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpose=False):
+    """`jax.lax.scan`, pipelined when it qualifies (module doc)."""
+    seen: Interception | None = getattr(_ACTIVE, "value", None)
+    plain = (f, init, xs, length, reverse, unroll, _split_transpose)
+    if seen is None or seen.busy:
+        return _ORIGINAL_SCAN(*plain)
+    line = _caller_line()
+    seen.busy += 1
+    try:
+        loop = _Loop.of(f, init, xs, reverse, seen, line)
+    except _Rejected as why:
+        seen.left.append((line, str(why)))
+        loop = None
+    finally:
+        seen.busy -= 1
+    if loop is None:
+        return _ORIGINAL_SCAN(*plain)
+    seen.busy += 1
+    try:
+        return loop.run(init, xs)
+    finally:
+        seen.busy -= 1
+
+
+def _caller_line() -> str:
+    from jax._src import source_info_util  # no public API for the user's frame
+
+    return source_info_util.summarize(source_info_util.current()) or "an unknown line"
+
+
+class _Loop:
+    """One qualifying scan: its body at microbatch size and how to run it pipelined."""
+
+    def __init__(self, **kw: Any):
+        self.__dict__.update(kw)
+
+    @classmethod
+    def of(cls, f, init, xs, reverse: bool, seen: Interception, line: str) -> _Loop:
+        """Analyse a scan; `_Rejected` when it does not qualify, a ShardingError when it
+        would but its sizes do not divide."""
+        carry, carry_tree = jax.tree_util.tree_flatten(init)
+        stacked, xs_tree = jax.tree_util.tree_flatten(xs)
+        if not stacked:
+            raise _Rejected("it has no xs (stacked per-layer arrays) to split over stages")
+        if not carry or any(np.ndim(c) == 0 for c in carry):
+            raise _Rejected("its carry is not a batch of activations (every carry leaf needs a leading batch dim)")
+        batch = int(np.shape(carry[0])[0])
+        if any(np.shape(c)[0] != batch for c in carry):
+            raise _Rejected(
+                "its carry leaves differ in their leading dim "
+                f"{[np.shape(c)[0] for c in carry]}; the pipeline needs the batch first in each"
+            )
+        layers = int(np.shape(stacked[0])[0])
+        m, s, axis = seen.pipeline.microbatches, seen.stages, seen.pipeline.axis
+        n_carry = len(carry)
+
+        def flat_body(*flat):
+            c = jax.tree_util.tree_unflatten(carry_tree, flat[:n_carry])
+            x = jax.tree_util.tree_unflatten(xs_tree, flat[n_carry:])
+            new_c, y = f(c, x)
+            new_flat, new_tree = jax.tree_util.tree_flatten(new_c)
+            if new_tree != carry_tree:
+                raise _Rejected("its body returns a carry of another structure than it takes")
+            ys = jax.tree_util.tree_leaves(y)
+            if ys:
+                raise _Rejected(
+                    "its body returns per-layer outputs (ys); the pipeline takes scans that "
+                    "return (new_carry, None)"
+                )
+            return new_flat
+
+        avals = [jax.ShapeDtypeStruct(np.shape(c), jnp.result_type(c)) for c in carry]
+        avals += [jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x)) for x in stacked]
+        closed = jax.make_jaxpr(flat_body)(*avals)
+        if layers % s:
+            raise ShardingError(
+                f"pipeline over {axis!r}: the scan at {line} has {layers} layers, which the "
+                f"{s} stages of mesh axis {axis!r} do not divide; use a layer count divisible "
+                f"by {s} or a mesh whose {axis!r} axis divides {layers}"
+            )
+        if batch % m:
+            raise ShardingError(
+                f"pipeline over {axis!r}: the scan at {line} carries a batch of {batch} rows, "
+                f"which {m} microbatches do not divide; pick microbatches= a divisor of {batch}"
+            )
+        consts = list(closed.consts)
+        analysis = _independence(closed, n_carry, len(stacked), m)
+        micro = _microbatched(analysis, closed, m)
+        return cls(
+            line=line, layers=layers, stages=s, micro=micro, m=m, axis=axis, consts=consts,
+            batch_consts=analysis.batch_consts, carry_tree=carry_tree, xs_tree=xs_tree,
+            n_carry=n_carry, reverse=reverse, seen=seen, batch=batch,
+            carry_shapes=tuple(tuple(np.shape(c)) for c in carry),
+        )  # fmt: skip
+
+    def run(self, init, xs):
+        """The pipelined loop on the scan's own operands; returns ``(carry, None)``."""
+        s, m, axis, per = self.stages, self.m, self.axis, self.layers // self.stages
+        carry = jax.tree_util.tree_leaves(init)
+        stacked = jax.tree_util.tree_leaves(xs)
+        if self.reverse:  # layers L-1 ... 0: the same pipeline over the flipped stack
+            stacked = [jnp.flip(x, 0) for x in stacked]
+        origin = f"the pipeline's stages (scan at {self.line})"
+
+        def on_stages(x):  # the leading dim split over the stage axis
+            return hint_p.bind(x, spec=P(axis), origin=origin)
+
+        stacked = [on_stages(x.reshape(s, per, *x.shape[1:])) for x in stacked]
+        moving = [(c, 0) for c in carry] + [(self.consts[i], d) for i, d in self.batch_consts]
+        micro = [_split(v, d, m) for v, d in moving]  # (M, ...) per moving value
+        n_carry, fixed = self.n_carry, dict(enumerate(self.consts))
+        body = jaxpr_as_fun(self.micro)
+        const_order = [i for i in range(len(self.consts))]
+        batch_index = {i: n_carry + j for j, (i, _) in enumerate(self.batch_consts)}
+
+        def stage(weights, slot):
+            consts = [slot[batch_index[i]] if i in batch_index else fixed[i] for i in const_order]
+
+            def layer(c, w):
+                return tuple(body(*consts, *c, *w)), None
+
+            c, _ = jax.lax.scan(layer, tuple(slot[:n_carry]), tuple(weights))
+            return [*c, *slot[n_carry:]]
+
+        stage_ids = jnp.arange(s)
+
+        def on_stage(mask, v):
+            return mask.reshape((s,) + (1,) * (v.ndim - 1))
+
+        def tick(state, t):
+            buf, outs = state
+            feed = [jax.lax.dynamic_index_in_dim(v, jnp.minimum(t, m - 1), 0, False) for v in micro]
+            first = (stage_ids == 0) & (t < m)
+            buf = [jnp.where(on_stage(first, b), f[None], b) for f, b in zip(feed, buf)]
+            buf = [on_stages(b) for b in buf]
+            buf = [on_stages(b) for b in jax.vmap(stage)(stacked, buf)]
+            last = stage_ids == s - 1
+            j = jnp.clip(t - (s - 1), 0, m - 1)
+            new_outs = []
+            for o, b in zip(outs, buf[:n_carry]):
+                done = jnp.sum(jnp.where(on_stage(last, b), b, jnp.zeros_like(b)), axis=0)
+                kept = jax.lax.dynamic_index_in_dim(o, j, 0, False)
+                done = jnp.where(t >= s - 1, done, kept)
+                new_outs.append(jax.lax.dynamic_update_index_in_dim(o, done, j, 0))
+            return (_shift(buf, axis, s), new_outs), None
+
+        first_slot = [jnp.broadcast_to(v[0], (s, *v.shape[1:])) for v in micro]
+        buf = [on_stages(b) for b in first_slot]
+        outs = [jnp.zeros_like(v) for v in micro[:n_carry]]
+        (_, outs), _ = jax.lax.scan(tick, (buf, outs), jnp.arange(m + s - 1))
+        self.seen.loops.append(
+            PipelinedLoop(self.line, self.layers, s, m, self.batch, self.carry_shapes,
+                          len(self.batch_consts))
+        )  # fmt: skip
+        new_carry = [_join(o, 0) for o in outs]
+        return jax.tree_util.tree_unflatten(self.carry_tree, new_carry), None
+
+
+def _split(v, d: int, m: int):
+    """(..., B at d, ...) -> (M, ...) with microbatch k holding rows k, M+k, 2M+k, ...
+    (strided, so a batch dim sharded over a mesh axis stays sharded in each microbatch)."""
+    v = jnp.moveaxis(v, d, 0)
+    v = jnp.swapaxes(v.reshape(v.shape[0] // m, m, *v.shape[1:]), 0, 1)
+    return jnp.moveaxis(v, 1, d + 1)
+
+
+def _join(v, d: int):
+    """The inverse of `_split`."""
+    v = jnp.moveaxis(v, d + 1, 1)
+    v = jnp.swapaxes(v, 0, 1)
+    v = v.reshape(v.shape[0] * v.shape[1], *v.shape[2:])
+    return jnp.moveaxis(v, 0, d)
+
+
+def _shift(buf: list, axis: str, stages: int) -> list:
+    """Each stage's slot to the next stage (the last one's to the first): a
+    collective-permute over ``axis``, every other mesh axis left automatic."""
+    perm = [(i, (i + 1) % stages) for i in range(stages)]
+    specs = tuple(P(axis) for _ in buf)
+    moved = jax.shard_map(
+        lambda *b: [jax.lax.ppermute(x, axis, perm) for x in b],
+        in_specs=specs,
+        out_specs=list(specs),
+        axis_names={axis},
+    )(*buf)
+    return list(moved)
+
+
+# --- proving the body treats the batch independently ------------------------------------
+
+
+@dataclass
+class _Analysis:
+    graph: Graph
+    dims: list
+    batch_consts: list[tuple[int, int]]  # (const index, its batch dim)
+    n_consts: int
+
+
+def _independence(closed: ClosedJaxpr, n_carry: int, n_xs: int, m: int) -> _Analysis:
+    """Propagate a pseudo axis of size ``m`` from the carry's batch dim through the body
+    (consts first as inputs); `_Rejected` naming the equation that mixes rows."""
+    from jax._src.interpreters import partial_eval as pe  # consts as inputs: no public API
+
+    n_consts = len(closed.consts)
+    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    n_in = len(jaxpr.invars)
+    names = [f"const/{i}" for i in range(n_consts)]
+    names += [f"carry/{i}" for i in range(n_carry)] + [f"xs/{i}" for i in range(n_xs)]
+    traced = Traced(
+        ClosedJaxpr(jaxpr, []),
+        tuple(names),
+        tuple(f"out/{i}" for i in range(len(jaxpr.outvars))),
+        jax.tree_util.tree_structure((tuple(range(n_in)), {})),
+        jax.tree_util.tree_structure(tuple(range(len(jaxpr.outvars)))),
+        tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars),
+    )
+    sizes = {MICROBATCH: m}
+    graph = build_graph(traced, sizes)
+    prop = Propagator(graph, sizes)
+    carry_in = graph.in_vids[n_consts : n_consts + n_carry]
+    for vid in carry_in:
+        rank = len(graph.shapes[vid])
+        prop.pin(vid, Pin(((MICROBATCH,),) + (None,) * (rank - 1), "the pipeline's microbatches"))
+    prop.run()
+    dims = prop.state.dims
+
+    def has(vid: int) -> list[int]:
+        return [d for d, ax in enumerate(dims[vid]) if ax and MICROBATCH in ax]
+
+    for a, app in enumerate(graph.apps):
+        working, partial = prop.working(a)
+        if MICROBATCH in partial:
+            raise _Rejected(f"its body sums over the batch at {app.describe()}")
+        for vid, d, want in working:
+            held, wanted = dims[vid][d] or (), want or ()
+            if (MICROBATCH in held) != (MICROBATCH in wanted):
+                raise _Rejected(f"its body mixes batch rows at {app.describe()}")
+    for i, vid in enumerate(graph.out_vids):
+        if has(vid) != [0]:
+            raise _Rejected(
+                f"its body's new carry leaf {i} does not keep the batch on its leading dim "
+                f"(batch found on dims {has(vid)})"
+            )
+    for i, vid in enumerate(graph.in_vids[n_consts + n_carry :]):
+        if has(vid):
+            raise _Rejected(f"its xs leaf {i} has a batch dim; xs must be per-layer parameters")
+    batch_consts = []
+    for i, vid in enumerate(graph.in_vids[:n_consts]):
+        found = has(vid)
+        if len(found) > 1:
+            raise _Rejected(f"a value its body closes over has the batch on dims {found}")
+        if found:
+            batch_consts.append((i, found[0]))
+    return _Analysis(graph, dims, batch_consts, n_consts)
+
+
+# --- the body at microbatch size ----------------------------------------------------------
+
+
+def _microbatched(analysis: _Analysis, closed: ClosedJaxpr, m: int) -> ClosedJaxpr:
+    """The body (consts first as inputs) re-traced on microbatch-sized values."""
+    from jax._src.interpreters import partial_eval as pe  # consts as inputs: no public API
+
+    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    shrink = _Shrink(analysis.graph, analysis.dims, m)
+    avals = [
+        jax.ShapeDtypeStruct(shrink.shape((), v), v.aval.dtype) for v in jaxpr.invars
+    ]
+    return jax.make_jaxpr(lambda *a: shrink.run(jaxpr, (), (), a))(*avals)
+
+
+_SHAPE_PARAMS = {
+    "reshape": "new_sizes",
+    "broadcast_in_dim": "shape",
+    "dynamic_slice": "slice_sizes",
+    "rng_bit_generator": "shape",
+    "random_bits": "shape",
+}
+
+
+class _Shrink:
+    """Evaluates a jaxpr on microbatch-sized values: every value whose dim the pseudo
+    axis reached is 1/M the size there, and shape parameters follow."""
+
+    def __init__(self, graph: Graph, dims, m: int):
+        self.graph, self.dims, self.m = graph, dims, m
+
+    def shape(self, path, var) -> tuple[int, ...]:
+        vid = self.graph.var_vids[path][var]
+        dims = self.dims[vid]
+        return tuple(
+            n // self.m if dims[d] and MICROBATCH in dims[d] else n
+            for d, n in enumerate(self.graph.shapes[vid])
+        )
+
+    def run(self, jaxpr, consts, path, args) -> list:
+        env: dict = {}
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = c
+        for v, a in zip(jaxpr.invars, args):
+            env[v] = a
+
+        def read(v):
+            return v.val if isinstance(v, Literal) else env[v]
+
+        for k, eqn in enumerate(jaxpr.eqns):
+            outs = self.eqn(eqn, path, k, [read(v) for v in eqn.invars])
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+        return [read(v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn, path, k, ins) -> list:
+        want = [self.shape(path, v) for v in eqn.outvars]
+        same_in = all(np.shape(x) == tuple(v.aval.shape) for x, v in zip(ins, eqn.invars))
+        if same_in and want == [tuple(v.aval.shape) for v in eqn.outvars]:
+            return _bind(eqn, ins, eqn.params)
+        from jax._src import source_info_util  # no public API to keep an equation's line
+
+        from jaxshard.graph import source_line
+
+        line = source_line(eqn)
+        if region_fn_for(eqn.primitive) is not None:
+            with source_info_util.user_context(eqn.source_info.traceback):
+                outs = self.nested(eqn, path + (k,), ins)
+        else:
+            name = eqn.primitive.name
+            params = dict(eqn.params)
+            if name == "iota" and any(
+                a != b for a, b in zip(want[0], eqn.outvars[0].aval.shape)
+            ):
+                raise ShardingError(
+                    f"pipeline: the layer body numbers the batch rows (iota at {line}); each "
+                    "microbatch would number its own rows. Pass row indices in as a value "
+                    "that carries the batch instead."
+                )
+            if name in _SHAPE_PARAMS:
+                params[_SHAPE_PARAMS[name]] = want[0]
+            elif name == "gather":
+                old = eqn.invars[0].aval.shape
+                sizes = list(params["slice_sizes"])
+                for d, (n_old, n_new) in enumerate(zip(old, np.shape(ins[0]))):
+                    if n_old != n_new and sizes[d] == n_old:
+                        sizes[d] = n_new
+                params["slice_sizes"] = tuple(sizes)
+            elif name == "slice":  # whole along the batch: the microbatch whole too
+                old = eqn.invars[0].aval.shape
+                limits = list(params["limit_indices"])
+                for d, (n_old, n_new) in enumerate(zip(old, np.shape(ins[0]))):
+                    if n_old != n_new and params["start_indices"][d] == 0 and limits[d] == n_old:
+                        limits[d] = n_new
+                params["limit_indices"] = tuple(limits)
+            outs = _bind(eqn, ins, params)
+        got = [tuple(np.shape(o)) for o in outs]
+        if got != want:
+            raise ShardingError(
+                f"pipeline: cannot run {eqn.primitive.name} at {line} on microbatches (its "
+                f"result would be {got}, the batch analysis expects {want}). Write the layer "
+                "body without fixed batch-size shapes there, or drop pipeline=."
+            )
+        return outs
+
+    def nested(self, eqn, path, ins) -> list:
+        """A higher-order equation on microbatch-sized operands, re-expressed with the
+        public API around the shrunk bodies (calls and custom derivatives inlined)."""
+        name, params = eqn.primitive.name, eqn.params
+        regions = region_fn_for(eqn.primitive)(eqn)
+
+        def body(r):
+            region = regions[r]
+            return lambda *a: self.run(region.jaxpr, region.consts, path + (r,), a)
+
+        if name == "checkpoint":
+            fn = jax.checkpoint(
+                lambda *a: body(0)(*a), prevent_cse=params["prevent_cse"], policy=params["policy"]
+            )
+            return list(fn(*ins))
+        if name == "scan":
+            nc, ncar = params["num_consts"], params["num_carry"]
+            consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
+            inner = body(0)
+
+            def step(c, x):
+                out = inner(*consts, *c, *x)
+                return tuple(out[:ncar]), tuple(out[ncar:])
+
+            c, ys = _ORIGINAL_SCAN(
+                step, tuple(init), tuple(xs), length=params["length"],
+                reverse=params["reverse"], unroll=params["unroll"],
+            )  # fmt: skip
+            return [*c, *ys]
+        if name == "while":
+            cn, bn = params["cond_nconsts"], params["body_nconsts"]
+            cc, bc, init = ins[:cn], ins[cn : cn + bn], ins[cn + bn :]
+            cond, step = body(0), body(1)
+            out = jax.lax.while_loop(
+                lambda c: cond(*cc, *c)[0], lambda c: tuple(step(*bc, *c)), tuple(init)
+            )
+            return list(out)
+        if name == "cond":
+            branches = [
+                (lambda r: lambda *a: tuple(body(r)(*a)))(r) for r in range(len(regions))
+            ]
+            return list(jax.lax.switch(ins[0], branches, *ins[1:]))
+        if len(regions) == 1 and all(
+            link.outer == link.inner and link.rule is None for link in regions[0].links
+        ):  # jit, closed_call, custom_jvp/vjp calls, composites: inline
+            return body(0)(*ins)
+        raise ShardingError(
+            f"pipeline: cannot run {name} inside the layer body on microbatches; move it "
+            "out of the scanned layer or drop pipeline="
+        )
+
+
+def _bind(eqn, ins, params) -> list:
+    """``eqn`` applied to ``ins`` with ``params``, keeping its source line (as
+    `jax.core.eval_jaxpr` does)."""
+    from jax._src import source_info_util  # no public API to keep an equation's line
+
+    bind_params = eqn.primitive.get_bind_params(params)
+    with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
+        out = eqn.primitive.bind(*ins, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
