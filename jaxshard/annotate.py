@@ -29,8 +29,8 @@ from jaxshard.lattice import DimSharding, check_dims, from_spec, merge_dim, spec
 # jaxshard's own frames are not the user's source line in error messages and tracebacks
 source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)))
 
-# ``origin`` is "" for a user's `hint`; jaxshard's own pins name themselves there (the
-# pipeline's stage layout, which widens the user's hints on the layers it splits)
+# ``origin`` is "" for a user's `hint`; jaxshard's own pins give (PinKind, text) there
+# (the pipeline's stage layout, which widens the user's hints on the layers it splits)
 hint_p = Primitive("jaxshard_hint")
 hint_p.def_impl(lambda x, *, spec, origin: x)
 hint_p.def_abstract_eval(lambda aval, *, spec, origin: aval)
@@ -84,6 +84,7 @@ class PinKind(enum.Enum):
     # explicit-sharding style: out_sharding=, reshard, an argument's explicit type
     EXPLICIT = "an explicit-sharding annotation"
     PIPELINE = "the pipeline's stage layout"  # auto_shard(pipeline=...) on the layer stack
+    MICROBATCHES = "the pipeline's microbatch buffer"  # one slot per stage
 
 
 @dataclass(frozen=True)
@@ -337,6 +338,7 @@ _FIX_NAME = {
     PinKind.PROGRAM: "the sharding constraint",
     PinKind.EXPLICIT: "the explicit annotation",
     PinKind.PIPELINE: "the pipeline",
+    PinKind.MICROBATCHES: "the pipeline",
 }
 
 

@@ -96,6 +96,20 @@ def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False
         "",
         _table(rows, ["path", "shape", "dtype", "spec", "per device", "origin"]),
     ]
+    if plan.pipelined:
+        out += ["", f"pipeline ({len(plan.pipelined)} scan(s)):"]
+        out += [loop.describe() for loop in plan.pipelined]
+    if plan.written:
+        out += ["", f"collectives the program writes itself ({len(plan.written)}):"]
+        out.append(
+            _table(
+                [
+                    [c.line, c.kind, ",".join(c.axes), human_bytes(c.bytes * c.runs), str(c.runs)]
+                    for c in plan.written
+                ],
+                ["at", "collective", "axes", "bytes/device/call", "runs"],
+            )
+        )
     out += ["", f"reshards and pending reductions ({len(plan.reshards)}):"]
     if plan.reshards:
         rrows = [

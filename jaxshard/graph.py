@@ -254,9 +254,11 @@ def _build(
         primitive = eqn.primitive
         if primitive is hint_p:
             vid, spec, origin = operands[0], eqn.params["spec"], eqn.params["origin"]
-            where = origin or f"jaxshard.hint at {source_line(eqn, enclosing)}"
+            kind, where = origin or (
+                PinKind.IN_FUNCTION,
+                f"jaxshard.hint at {source_line(eqn, enclosing)}",
+            )
             pin = pin_from_spec(spec, g.shapes[vid], axis_sizes, where, spec_text(spec))
-            kind = PinKind.PIPELINE if origin else PinKind.IN_FUNCTION
             pin = Pin(pin.dims, f"{where}: {spec_text(spec)}", kind)
             g.pins[vid] = merge_pins(g.pins[vid], pin, g.value_name(vid)) if vid in g.pins else pin
             bind(eqn.outvars[0], vid)

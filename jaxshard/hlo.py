@@ -317,6 +317,33 @@ def computation_runs(hlo_text: str) -> dict[str, int | None]:
     return runs
 
 
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def _permute_axes(rest: str, mesh) -> tuple[frozenset[str], int]:
+    """The mesh axes along which a collective-permute's source/target pairs move (flat
+    mesh positions that differ only there), and the size of those axes together.
+
+    Example:
+        >>> import jax
+        >>> mesh = jax.make_mesh((2, 4), ("stage", "model"))
+        >>> _permute_axes("source_target_pairs={{0,4},{4,0},{1,5},{5,1}}", mesh)
+        (frozenset({'stage'}), 2)
+    """
+    found = _PAIRS.search(rest)
+    if not found:
+        return frozenset({"?"}), 0
+    pairs = [tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", found.group(1))]
+    names, shape = list(mesh.axis_names), tuple(mesh.devices.shape)
+    moved = set()
+    for a, b in pairs:
+        ca, cb = np.unravel_index(a, shape), np.unravel_index(b, shape)
+        moved.update(i for i in range(len(shape)) if ca[i] != cb[i])
+    if not moved:
+        return frozenset({"?"}), 0
+    return frozenset(names[i] for i in moved), math.prod(shape[i] for i in moved)
+
+
 def compiled_collectives(hlo_text: str, mesh) -> list[Collective]:
     """Every collective transfer in compiled HLO text: one per (tuple) operand, with the
     times it runs per call (`computation_runs`).
@@ -340,6 +367,8 @@ def compiled_collectives(hlo_text: str, mesh) -> list[Collective]:
             groups = _parse_groups(rest, n)
             axes = _groups_to_axes(groups, mesh) if groups else frozenset({"?"})
             size = len(next(iter(groups), [])) if groups else 0
+            if kind == "collective-permute" and not groups:
+                axes, size = _permute_axes(rest, mesh)
             sizes = shape_bytes(result)
             if start and kind == "all-gather":
                 sizes = sizes[len(sizes) // 2 :]  # -start returns (operands, results)

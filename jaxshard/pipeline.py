@@ -41,9 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
+from jax.extend.core import primitives as prims
 from jax.sharding import PartitionSpec as P
 
-from jaxshard.annotate import Pin, hint_p
+from jaxshard.annotate import Pin, PinKind, hint_p
 from jaxshard.errors import ShardingError
 from jaxshard.graph import Graph, build_graph
 from jaxshard.propagate import Propagator
@@ -318,12 +319,13 @@ class _Loop:
         stacked = jax.tree_util.tree_leaves(xs)
         if self.reverse:  # layers L-1 ... 0: the same pipeline over the flipped stack
             stacked = [jnp.flip(x, 0) for x in stacked]
-        origin = f"the pipeline's stages (scan at {self.line})"
+        layers = (PinKind.PIPELINE, f"the pipeline's stages (scan at {self.line})")
+        slots = (PinKind.MICROBATCHES, f"the pipeline's microbatch slots (scan at {self.line})")
 
-        def on_stages(x):  # the leading dim split over the stage axis
+        def on_stages(x, origin=slots):  # the leading dim split over the stage axis
             return hint_p.bind(x, spec=P(axis), origin=origin)
 
-        stacked = [on_stages(x.reshape(s, per, *x.shape[1:])) for x in stacked]
+        stacked = [on_stages(x.reshape(s, per, *x.shape[1:]), layers) for x in stacked]
         moving = [(c, 0) for c in carry] + [(self.consts[i], d) for i, d in self.batch_consts]
         micro = [_split(v, d, m) for v, d in moving]  # (M, ...) per moving value
         n_carry, fixed = self.n_carry, dict(enumerate(self.consts))
@@ -581,19 +583,19 @@ class _Shrink:
     def nested(self, eqn, path, ins) -> list:
         """A higher-order equation on microbatch-sized operands, re-expressed with the
         public API around the shrunk bodies (calls and custom derivatives inlined)."""
-        name, params = eqn.primitive.name, eqn.params
-        regions = region_fn_for(eqn.primitive)(eqn)
+        prim, name, params = eqn.primitive, eqn.primitive.name, eqn.params
+        regions = region_fn_for(prim)(eqn)
 
         def body(r):
             region = regions[r]
             return lambda *a: self.run(region.jaxpr, region.consts, path + (r,), a)
 
-        if name == "checkpoint":
+        if prim is prims.remat_p:
             fn = jax.checkpoint(
                 lambda *a: body(0)(*a), prevent_cse=params["prevent_cse"], policy=params["policy"]
             )
             return list(fn(*ins))
-        if name == "scan":
+        if prim is prims.scan_p:
             nc, ncar = params["num_consts"], params["num_carry"]
             consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
             inner = body(0)
@@ -607,7 +609,7 @@ class _Shrink:
                 reverse=params["reverse"], unroll=params["unroll"],
             )  # fmt: skip
             return [*c, *ys]
-        if name == "while":
+        if prim is prims.while_p:
             cn, bn = params["cond_nconsts"], params["body_nconsts"]
             cc, bc, init = ins[:cn], ins[cn : cn + bn], ins[cn + bn :]
             cond, step = body(0), body(1)
@@ -615,7 +617,7 @@ class _Shrink:
                 lambda c: cond(*cc, *c)[0], lambda c: tuple(step(*bc, *c)), tuple(init)
             )
             return list(out)
-        if name == "cond":
+        if prim is prims.cond_p:
             branches = [
                 (lambda r: lambda *a: tuple(body(r)(*a)))(r) for r in range(len(regions))
             ]

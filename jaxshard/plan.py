@@ -298,6 +298,8 @@ class Plan:
         record = _record(self.traced, self.graph, self.mesh)
         record["dims"] = [_dims_to_json(d) for d in self.dims]
         record["out_dims"] = [_dims_to_json(d) for d in self.out_dims]
+        if self.pipelined:
+            record["pipeline"] = [loop.to_json() for loop in self.pipelined]
         return json.dumps(record, sort_keys=True, separators=(",", ":"))
 
     @staticmethod
@@ -547,7 +549,7 @@ def _stack_on_stages(graph: Graph, pins: dict[int, Pin]) -> None:
                 break
             stacked = graph.apps[a].operands[0]
         hinted = pins.get(stacked)
-        if stacked not in arguments or hinted is None or hinted.kind is PinKind.PIPELINE:
+        if stacked not in arguments or hinted is None or hinted.kind is not PinKind.HINTS:
             continue
         layer = hinted.dims[0]
         if layer == ():
@@ -678,7 +680,10 @@ def split_storage(pins: Mapping[int, Pin], graph: Graph) -> tuple[dict[int, Pin]
         ((None, ('model',)), (('data',), ('model',)))
     """
     state = {graph.in_vids[i] for i, _ in graph.ties} | {graph.out_vids[o] for _, o in graph.ties}
-    used = {ax for vid, pin in pins.items() if vid not in state for d in pin.dims for ax in d or ()}
+    # the pipeline's stage pins spend their axis on the layer stack the state leaves hold
+    pipeline = (PinKind.PIPELINE, PinKind.MICROBATCHES)
+    spent = {vid: pin for vid, pin in pins.items() if pin.kind not in pipeline}
+    used = {ax for vid, pin in spent.items() if vid not in state for d in pin.dims for ax in d or ()}
     compute, storage = {}, {}
     for vid, pin in pins.items():
         stored = vid in state and any(ax in used for d in pin.dims for ax in d or ())

@@ -1,0 +1,207 @@
+"""Pipeline parallelism: a scan over stacked layers runs as a GPipe pipeline over a mesh
+axis, from the unchanged train step, and matches the unsharded step."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_leaves_match
+from jax.sharding import PartitionSpec as P
+
+import jaxshard
+from examples.models import LlamaConfig, init_llama, llama_loss, make_batch_llama, make_train_step
+from jaxshard import Pipeline, ShardingError
+
+CFG = LlamaConfig(n_layers=4)
+HINTS = {
+    r"batch/.*": P("data"),
+    r"params/layers/wq": P(None, None, "model"),
+    r"params/layers/w_gate": P(None, None, "model"),
+}
+
+
+@pytest.fixture(scope="module")
+def pp_mesh():
+    return jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    key = jax.random.key(0)
+    params = init_llama(key, CFG)
+    batch = make_batch_llama(jax.random.key(1), CFG, 16)
+    return params, batch
+
+
+@pytest.fixture(scope="module")
+def sgd_runs(pp_mesh, llama):
+    """Two SGD steps unsharded and pipelined (stage=2, data=2, model=2; 4 microbatches)."""
+    params, batch = llama
+    opt = optax.sgd(0.1)
+    step = make_train_step(functools.partial(llama_loss, cfg=CFG), opt)
+    piped = jaxshard.auto_shard(pp_mesh, HINTS, pipeline=Pipeline("stage", 4))(step)
+    ref = jax.jit(step)
+    runs = {"ref": (params, opt.init(params)), "piped": (params, opt.init(params))}
+    losses = {"ref": [], "piped": []}
+    for _ in range(2):
+        for name, fn in (("ref", ref), ("piped", piped)):
+            p, s, loss = fn(*runs[name], batch)
+            runs[name] = (p, s)
+            losses[name].append(float(loss))
+    return piped, runs, losses, (params, opt.init(params), batch)
+
+
+def test_pipelined_llama_matches_unsharded(sgd_runs):
+    _, runs, losses, _ = sgd_runs
+    np.testing.assert_allclose(losses["piped"], losses["ref"], rtol=1e-5)
+    assert_leaves_match(runs["piped"][0], runs["ref"][0])
+
+
+def test_layer_stack_and_its_state_split_over_stages(sgd_runs):
+    piped, runs, _, args = sgd_runs
+    plan = piped.plan(*args)
+    (loop,) = plan.pipelined
+    assert (loop.layers, loop.stages, loop.microbatches, loop.batch) == (4, 2, 4, 16)
+    params_specs, _, _ = plan.in_specs
+    for name, spec in params_specs["layers"].items():
+        assert spec[0] == "stage", (name, spec)
+    assert params_specs["layers"]["wq"] == P("stage", None, "model")  # the hint, widened
+    new_params = runs["piped"][0]
+    assert new_params["layers"]["w_up"].sharding.spec[0] == "stage"
+
+
+def test_adamw_state_split_over_stages(pp_mesh, llama):
+    params, batch = llama
+    opt = optax.adamw(1e-3)
+    step = make_train_step(functools.partial(llama_loss, cfg=CFG), opt)
+    piped = jaxshard.auto_shard(pp_mesh, HINTS, pipeline=Pipeline("stage", 2))
+    plan = piped(step).plan(params, opt.init(params), batch)
+    mu = plan.in_specs[1][0].mu["layers"]
+    assert all(spec[0] == "stage" for spec in mu.values()), mu
+
+
+def test_compiled_program_permutes_over_stage_as_predicted(sgd_runs, pp_mesh):
+    piped, _, _, args = sgd_runs
+    plan = piped.plan(*args)
+    permutes = [c for c in plan.written if c.kind == "collective-permute"]
+    assert len(permutes) == 2 and all(c.axes == ("stage",) for c in permutes)  # fwd, bwd
+    assert all(c.runs == 4 + 2 - 1 for c in permutes)  # M + S - 1 iterations each
+    text = piped.lower(*args).compile().as_text()
+    assert re.search(r"collective-permute", text)
+    result = plan.verify()
+    assert result.ok, str(result)
+
+
+def test_explain_and_json_show_the_pipeline(sgd_runs):
+    piped, _, _, args = sgd_runs
+    plan = piped.plan(*args)
+    text = plan.explain()
+    assert "4 layers over 2 stages (2 layers each), 4 microbatches of 4 rows" in text
+    assert "bubble (S-1)/(M+S-1) = 20.0%" in text
+    assert "collective-permute" in text
+    assert '"pipeline":[{' in plan.to_json()
+
+
+def test_bubble_fraction():
+    assert Pipeline(microbatches=4).bubble(2) == pytest.approx(1 / 5)
+    assert Pipeline(microbatches=8).bubble(4) == pytest.approx(3 / 11)
+
+
+def test_body_with_a_batch_mask_it_closes_over(pp_mesh):
+    """A value the body closes over that carries the batch moves with its microbatch."""
+
+    def loss(params, batch):
+        mask = batch["mask"]
+
+        def layer(x, w):
+            return jnp.tanh(x @ w) * mask[:, None], None
+
+        x, _ = jax.lax.scan(layer, batch["x"], params)
+        return jnp.mean(x**2)
+
+    def step(params, batch):
+        loss_value, grads = jax.value_and_grad(loss)(params, batch)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss_value
+
+    params = jax.random.normal(jax.random.key(0), (4, 16, 16)) * 0.3
+    batch = {
+        "x": jax.random.normal(jax.random.key(1), (8, 16)),
+        "mask": (jnp.arange(8) % 3 != 0).astype(jnp.float32),
+    }
+    piped = jaxshard.auto_shard(pp_mesh, {r"batch/.*": P("data")}, pipeline=Pipeline("stage", 2))
+    fn = piped(step)
+    new, loss_value = fn(params, batch)
+    ref_new, ref_loss = jax.jit(step)(params, batch)
+    np.testing.assert_allclose(loss_value, ref_loss, rtol=1e-5)
+    assert_leaves_match(new, ref_new)
+    assert fn.plan(params, batch).pipelined[0].moving_consts == 1
+
+
+def test_no_qualifying_scan_names_each_scan_and_why(pp_mesh):
+    def loss(params, x):
+        def layer(h, w):  # sums over the batch: rows are not independent
+            h = jnp.tanh(h @ w)
+            return h - h.mean(axis=0), None
+
+        h, _ = jax.lax.scan(layer, x, params)
+        return jnp.sum(h)
+
+    params, x = jnp.ones((4, 8, 8)), jnp.ones((8, 8))
+    piped = jaxshard.auto_shard(pp_mesh, pipeline=Pipeline("stage", 2))(jax.grad(loss))
+    with pytest.raises(ShardingError, match=r"no scan of the step qualifies") as e:
+        piped.plan(params, x)
+    assert "sums over the batch at reduce_sum" in str(e.value)
+    assert "test_pipeline.py" in str(e.value)
+
+
+def test_no_scan_at_all(pp_mesh):
+    piped = jaxshard.auto_shard(pp_mesh, pipeline=Pipeline("stage", 2))(lambda x: x * 2)
+    with pytest.raises(ShardingError, match=r"the step calls no jax.lax.scan"):
+        piped.plan(jnp.ones((8, 4)))
+
+
+@pytest.mark.parametrize(
+    "layers, batch, microbatches, error",
+    [
+        (3, 8, 2, r"has 3 layers, which the 2 stages of mesh axis 'stage' do not divide"),
+        (4, 6, 4, r"carries a batch of 6 rows, which 4 microbatches do not divide"),
+    ],
+)
+def test_sizes_that_do_not_divide(pp_mesh, layers, batch, microbatches, error):
+    def loss(params, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params)
+        return jnp.sum(h)
+
+    piped = jaxshard.auto_shard(pp_mesh, pipeline=Pipeline("stage", microbatches))
+    with pytest.raises(ShardingError, match=error) as e:
+        piped(jax.grad(loss)).plan(jnp.ones((layers, 8, 8)), jnp.ones((batch, 8)))
+    assert "test_pipeline.py" in str(e.value)
+
+
+def test_pipeline_axis_missing_from_mesh(mesh):
+    with pytest.raises(ShardingError, match=r"Pipeline\(axis='stage'\) is not an axis of the mesh"):
+        jaxshard.auto_shard(mesh, pipeline=Pipeline("stage", 2))(lambda x: x)
+
+
+def test_hint_on_the_layer_dim_disagrees_with_the_pipeline(pp_mesh, llama):
+    params, batch = llama
+    step = make_train_step(functools.partial(llama_loss, cfg=CFG), optax.sgd(0.1))
+    hints = {r"batch/.*": P("data"), r"params/layers/wq": P("model")}
+    piped = jaxshard.auto_shard(pp_mesh, hints, pipeline=Pipeline("stage", 2))(step)
+    with pytest.raises(ShardingError, match=r"params/layers/wq: .* puts \('model',\) on the layer dim"):
+        piped.plan(params, optax.sgd(0.1).init(params), batch)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_bad_microbatches(bad):
+    with pytest.raises(ShardingError, match=r"microbatches=.* positive int"):
+        Pipeline("stage", bad)
+
+
+def test_pipeline_option_takes_a_pipeline(pp_mesh):
+    with pytest.raises(ShardingError, match=r"pipeline= takes a jaxshard.Pipeline"):
+        jaxshard.auto_shard(pp_mesh, pipeline="stage")(lambda x: x)
