@@ -467,16 +467,20 @@ def _arrays_only(fn: Callable, sink: dict) -> Callable:
 
 
 def _place(x: Any, sharding: NamedSharding) -> Any:
-    """An argument in its planned sharding. In a multi-process job an argument that is not
-    already a global array is taken as the whole global value (the same on every
-    process) and each process places its own shards of it."""
+    """An argument in its planned sharding. A host value (NumPy, a Python scalar) is
+    placed too, not handed to the program as is: its type then carries the plan's mesh,
+    as the abstract arguments of `AutoShard.lower` do, so a call after ``lower`` runs
+    the program that was compiled instead of tracing and compiling it again. In a
+    multi-process job an argument that is not already a global array is taken as the
+    whole global value (the same on every process) and each process places its own
+    shards of it."""
     if isinstance(x, jax.Array):
         if x.sharding == sharding:
             return x
         if sharding.is_fully_addressable or not x.is_fully_addressable:
             return jax.device_put(x, sharding)
     elif sharding.is_fully_addressable:
-        return x
+        return jax.device_put(x, sharding)
     value = np.asarray(x)
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
