@@ -433,6 +433,31 @@ def step_bytes(plan) -> float:
     return reshards + sum(c.bytes * c.runs for c in plan.written)
 
 
+_CONTRACTIONS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
+
+
+def compute_flops(plan) -> float:
+    """Predicted FLOPs per device for one call of the planned program: each matrix
+    multiply or convolution counts 2·(product of its factor sizes), split over the
+    distinct mesh axes its operands and result hold, times the times it runs
+    (`executions`). A pipeline's bubble is in it: its loop runs M+S−1 times.
+
+    Example:
+        >>> compute_flops(plan)  # doctest: +SKIP
+        8.4e9
+    """
+    g, dims, sizes = plan.graph, plan.dims, plan.axis_sizes
+    runs = executions(g)
+    total = 0.0
+    for a, app in enumerate(g.apps):
+        if app.eqn is None or app.eqn.primitive.name not in _CONTRACTIONS:
+            continue
+        work = 2.0 * math.prod(f.size for f in app.rule.factors)
+        axes = {ax for v in (*app.operands, *app.results) for d in dims[v] for ax in d or ()}
+        total += work / math.prod(sizes[ax] for ax in axes) * runs[a]
+    return total
+
+
 # --- memory --------------------------------------------------------------------------
 
 

@@ -24,6 +24,12 @@ def mesh():
 
 
 @pytest.fixture(scope="session")
+def pipe_mesh():
+    """A (stage=2, data=2, model=2) mesh for pipeline parallelism."""
+    return jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
+
+
+@pytest.fixture(scope="session")
 def explicit_mesh():
     """The same mesh with `jax.make_mesh`'s default Explicit axes."""
     return jax.make_mesh((2, 4), ("data", "model"))

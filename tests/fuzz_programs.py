@@ -552,3 +552,94 @@ def cases(draw, max_ops: int = 6, meshes: tuple[str, ...] = tuple(MESHES)) -> Ca
     state = draw(st.booleans())  # the arguments' hints may then be storage layouts (FSDP)
     outs_text = tuple(v.expr for v in outs)
     return Case(mesh_key, tuple(b.args), tuple(b.body), outs_text, hints, done, state)
+
+
+# --- pipelined layer stacks -----------------------------------------------------------
+
+# layer-body statements on the carry ``h`` (batch first, features last, ``d`` wide) and
+# one layer's parameters ``w``: all keep each row to itself, several fix the batch size
+# in their shapes (as model code does), which the pipeline must rewrite per microbatch
+PIPE_OPS = (
+    "h = jnp.tanh(h @ w['a'])",
+    "h = h + jnp.sin(h) * w['b']",
+    "h = h * jax.nn.sigmoid(h @ w['a'])",
+    "h = h - h.mean(-1, keepdims=True)",
+    "h = (h.reshape({shape_merged}) * 0.5).reshape({shape})",
+    "h = jnp.concatenate([h[..., : {half}], -h[..., {half} :]], axis=-1)",
+    "h = h + jnp.broadcast_to(w['b'], ({shape}))",
+    "h = h * mask.reshape({mask_shape})",
+)
+
+
+@dataclass
+class PipeCase:
+    """A loss over a scanned layer stack, pipelined over ``stage`` of a (stage=2, data=2,
+    model=2) mesh with ``microbatches``; ``repr`` is a runnable reproducer."""
+
+    layers: int
+    batch: int
+    seq: int  # 0: the carry is (batch, d); else (batch, seq, d)
+    body: tuple[str, ...]
+    remat: bool
+    microbatches: int
+    hints: dict[str, P] = field(default_factory=dict)
+    d: int = 8
+
+    def source(self) -> str:
+        shape = (self.batch, self.seq, self.d) if self.seq else (self.batch, self.d)
+        merged = (self.batch, self.seq * self.d) if self.seq else (self.batch * self.d,)
+        fill = {
+            "shape": ", ".join(map(str, shape)),
+            "shape_merged": ", ".join(map(str, merged)),
+            "half": self.d // 2,
+            "mask_shape": f"{self.batch}, 1, 1" if self.seq else f"{self.batch}, 1",
+        }
+        lines = ["def loss(p, x, mask):"]
+        if self.remat:
+            lines.append("    @jax.checkpoint")
+        lines.append("    def layer(h, w):")
+        lines += [f"        {op.format(**fill)}" for op in self.body]
+        lines.append("        return h, None")
+        lines.append("    h, _ = jax.lax.scan(layer, x, p)")
+        lines.append("    return jnp.mean(h ** 2)")
+        return "\n".join(lines)
+
+    def fn(self):
+        namespace = {"jax": jax, "jnp": jnp}
+        exec(compile(self.source(), "<fuzz pipeline>", "exec"), namespace)
+        return jax.value_and_grad(namespace["loss"])
+
+    def inputs(self, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        d = self.d
+        p = {
+            "a": (rng.standard_normal((self.layers, d, d)) * 0.4).astype(np.float32),
+            "b": rng.standard_normal((self.layers, d)).astype(np.float32),
+        }
+        shape = (self.batch, self.seq, d) if self.seq else (self.batch, d)
+        x = rng.standard_normal(shape).astype(np.float32)
+        mask = (rng.random(self.batch) < 0.7).astype(np.float32)
+        return p, x, mask
+
+    def __repr__(self) -> str:
+        hints = ", ".join(f"{k!r}: {spec_text(v)}" for k, v in self.hints.items())
+        return (
+            f"{self.source()}\n# layers={self.layers} batch={self.batch} seq={self.seq} "
+            f"microbatches={self.microbatches} hints={{{hints}}}"
+        )
+
+
+@st.composite
+def pipe_cases(draw) -> PipeCase:
+    """A random layer stack that a 2-stage pipeline must run like the plain step."""
+    layers = draw(st.sampled_from((2, 4, 6)))
+    microbatches = draw(st.sampled_from((1, 2, 4)))
+    batch = microbatches * draw(st.sampled_from((2, 4)))
+    seq = draw(st.sampled_from((0, 4)))
+    body = tuple(draw(st.lists(st.sampled_from(PIPE_OPS), min_size=1, max_size=4)))
+    hints = {}
+    if draw(st.booleans()):
+        hints[r"x"] = P("data") if (batch // microbatches) % 2 == 0 else P()
+    if draw(st.booleans()):
+        hints[r"p/a"] = P(None, None, "model")
+    return PipeCase(layers, batch, seq, body, draw(st.booleans()), microbatches, hints)

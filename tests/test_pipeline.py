@@ -25,11 +25,6 @@ HINTS = {
 
 
 @pytest.fixture(scope="module")
-def pp_mesh():
-    return jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
-
-
-@pytest.fixture(scope="module")
 def llama():
     key = jax.random.key(0)
     params = init_llama(key, CFG)
@@ -38,12 +33,12 @@ def llama():
 
 
 @pytest.fixture(scope="module")
-def sgd_runs(pp_mesh, llama):
+def sgd_runs(pipe_mesh, llama):
     """Two SGD steps unsharded and pipelined (stage=2, data=2, model=2; 4 microbatches)."""
     params, batch = llama
     opt = optax.sgd(0.1)
     step = make_train_step(functools.partial(llama_loss, cfg=CFG), opt)
-    piped = jaxshard.auto_shard(pp_mesh, HINTS, pipeline=Pipeline("stage", 4))(step)
+    piped = jaxshard.auto_shard(pipe_mesh, HINTS, pipeline=Pipeline("stage", 4))(step)
     ref = jax.jit(step)
     runs = {"ref": (params, opt.init(params)), "piped": (params, opt.init(params))}
     losses = {"ref": [], "piped": []}
@@ -74,17 +69,17 @@ def test_layer_stack_and_its_state_split_over_stages(sgd_runs):
     assert new_params["layers"]["w_up"].sharding.spec[0] == "stage"
 
 
-def test_adamw_state_split_over_stages(pp_mesh, llama):
+def test_adamw_state_split_over_stages(pipe_mesh, llama):
     params, batch = llama
     opt = optax.adamw(1e-3)
     step = make_train_step(functools.partial(llama_loss, cfg=CFG), opt)
-    piped = jaxshard.auto_shard(pp_mesh, HINTS, pipeline=Pipeline("stage", 2))
+    piped = jaxshard.auto_shard(pipe_mesh, HINTS, pipeline=Pipeline("stage", 2))
     plan = piped(step).plan(params, opt.init(params), batch)
     mu = plan.in_specs[1][0].mu["layers"]
     assert all(spec[0] == "stage" for spec in mu.values()), mu
 
 
-def test_compiled_program_permutes_over_stage_as_predicted(sgd_runs, pp_mesh):
+def test_compiled_program_permutes_over_stage_as_predicted(sgd_runs, pipe_mesh):
     piped, _, _, args = sgd_runs
     plan = piped.plan(*args)
     permutes = [c for c in plan.written if c.kind == "collective-permute"]
@@ -111,7 +106,7 @@ def test_bubble_fraction():
     assert Pipeline(microbatches=8).bubble(4) == pytest.approx(3 / 11)
 
 
-def test_body_with_a_batch_mask_it_closes_over(pp_mesh):
+def test_body_with_a_batch_mask_it_closes_over(pipe_mesh):
     """A value the body closes over that carries the batch moves with its microbatch."""
 
     def loss(params, batch):
@@ -132,7 +127,7 @@ def test_body_with_a_batch_mask_it_closes_over(pp_mesh):
         "x": jax.random.normal(jax.random.key(1), (8, 16)),
         "mask": (jnp.arange(8) % 3 != 0).astype(jnp.float32),
     }
-    piped = jaxshard.auto_shard(pp_mesh, {r"batch/.*": P("data")}, pipeline=Pipeline("stage", 2))
+    piped = jaxshard.auto_shard(pipe_mesh, {r"batch/.*": P("data")}, pipeline=Pipeline("stage", 2))
     fn = piped(step)
     new, loss_value = fn(params, batch)
     ref_new, ref_loss = jax.jit(step)(params, batch)
@@ -141,7 +136,7 @@ def test_body_with_a_batch_mask_it_closes_over(pp_mesh):
     assert fn.plan(params, batch).pipelined[0].moving_consts == 1
 
 
-def test_no_qualifying_scan_names_each_scan_and_why(pp_mesh):
+def test_no_qualifying_scan_names_each_scan_and_why(pipe_mesh):
     def loss(params, x):
         def layer(h, w):  # sums over the batch: rows are not independent
             h = jnp.tanh(h @ w)
@@ -151,15 +146,15 @@ def test_no_qualifying_scan_names_each_scan_and_why(pp_mesh):
         return jnp.sum(h)
 
     params, x = jnp.ones((4, 8, 8)), jnp.ones((8, 8))
-    piped = jaxshard.auto_shard(pp_mesh, pipeline=Pipeline("stage", 2))(jax.grad(loss))
+    piped = jaxshard.auto_shard(pipe_mesh, pipeline=Pipeline("stage", 2))(jax.grad(loss))
     with pytest.raises(ShardingError, match=r"no scan of the step qualifies") as e:
         piped.plan(params, x)
     assert "sums over the batch at reduce_sum" in str(e.value)
     assert "test_pipeline.py" in str(e.value)
 
 
-def test_no_scan_at_all(pp_mesh):
-    piped = jaxshard.auto_shard(pp_mesh, pipeline=Pipeline("stage", 2))(lambda x: x * 2)
+def test_no_scan_at_all(pipe_mesh):
+    piped = jaxshard.auto_shard(pipe_mesh, pipeline=Pipeline("stage", 2))(lambda x: x * 2)
     with pytest.raises(ShardingError, match=r"the step calls no jax.lax.scan"):
         piped.plan(jnp.ones((8, 4)))
 
@@ -171,12 +166,12 @@ def test_no_scan_at_all(pp_mesh):
         (4, 6, 4, r"carries a batch of 6 rows, which 4 microbatches do not divide"),
     ],
 )
-def test_sizes_that_do_not_divide(pp_mesh, layers, batch, microbatches, error):
+def test_sizes_that_do_not_divide(pipe_mesh, layers, batch, microbatches, error):
     def loss(params, x):
         h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params)
         return jnp.sum(h)
 
-    piped = jaxshard.auto_shard(pp_mesh, pipeline=Pipeline("stage", microbatches))
+    piped = jaxshard.auto_shard(pipe_mesh, pipeline=Pipeline("stage", microbatches))
     with pytest.raises(ShardingError, match=error) as e:
         piped(jax.grad(loss)).plan(jnp.ones((layers, 8, 8)), jnp.ones((batch, 8)))
     assert "test_pipeline.py" in str(e.value)
@@ -187,11 +182,11 @@ def test_pipeline_axis_missing_from_mesh(mesh):
         jaxshard.auto_shard(mesh, pipeline=Pipeline("stage", 2))(lambda x: x)
 
 
-def test_hint_on_the_layer_dim_disagrees_with_the_pipeline(pp_mesh, llama):
+def test_hint_on_the_layer_dim_disagrees_with_the_pipeline(pipe_mesh, llama):
     params, batch = llama
     step = make_train_step(functools.partial(llama_loss, cfg=CFG), optax.sgd(0.1))
     hints = {r"batch/.*": P("data"), r"params/layers/wq": P("model")}
-    piped = jaxshard.auto_shard(pp_mesh, hints, pipeline=Pipeline("stage", 2))(step)
+    piped = jaxshard.auto_shard(pipe_mesh, hints, pipeline=Pipeline("stage", 2))(step)
     with pytest.raises(ShardingError, match=r"params/layers/wq: .* puts \('model',\) on the layer dim"):
         piped.plan(params, optax.sgd(0.1).init(params), batch)
 
@@ -202,6 +197,6 @@ def test_bad_microbatches(bad):
         Pipeline("stage", bad)
 
 
-def test_pipeline_option_takes_a_pipeline(pp_mesh):
+def test_pipeline_option_takes_a_pipeline(pipe_mesh):
     with pytest.raises(ShardingError, match=r"pipeline= takes a jaxshard.Pipeline"):
-        jaxshard.auto_shard(pp_mesh, pipeline="stage")(lambda x: x)
+        jaxshard.auto_shard(pipe_mesh, pipeline="stage")(lambda x: x)
