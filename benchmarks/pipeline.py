@@ -12,7 +12,11 @@ parallel on model):
 
 - no pipeline, the stage axis idle (what the hints alone give on this mesh);
 - no pipeline, the batch over (stage, data): 16-way data parallel x 4-way tensor parallel;
-- `pipeline=Pipeline("stage", M)` for several M: GPipe over 4 stages.
+- `pipeline=Pipeline("stage", M)` for several M: GPipe over 4 stages, with the batch
+  hinted on data only (the embedding, output head and loss then run on every stage for
+  the stage's whole data shard) and on (data, stage) (those parts then use the stage
+  devices as data parallelism too; the microbatches are gathered over the stage axis
+  where the pipeline starts).
 
 Columns: memory per device (`memory_analysis`: arguments + results + temporaries −
 aliased), collective bytes per device per step (compiled, ring volumes), compute per
@@ -90,8 +94,13 @@ def run(quick: bool = False, microbatches=(4, 8, 16), log=print) -> tuple[list, 
         ("no pipeline, stage axis idle", {r"batch/.*": P("data"), **TP}, None),
         ("no pipeline, batch over (stage, data)", {r"batch/.*": P(("stage", "data")), **TP}, None),
     ]
+    outside = {r"batch/.*": P(("data", "stage")), **TP}
+    layouts.append(
+        (f"pipeline, M = {microbatches[-1]}, batch on data", {r"batch/.*": P("data"), **TP},
+         jaxshard.Pipeline("stage", microbatches[-1]))
+    )  # fmt: skip
     layouts += [
-        (f"pipeline, M = {m}", {r"batch/.*": P("data"), **TP}, jaxshard.Pipeline("stage", m))
+        (f"pipeline, M = {m}, batch on (data, stage)", outside, jaxshard.Pipeline("stage", m))
         for m in microbatches
     ]
     for name, hints, pipeline in layouts:
@@ -131,7 +140,7 @@ def report(rows, w) -> str:
         "|---|---|---|---|",
     ]
     for name, pipeline, m in rows:
-        if pipeline is None:
+        if pipeline is None or "(data, stage)" not in name:
             continue
         mb = pipeline.microbatches
         out.append(

@@ -34,9 +34,7 @@ source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)))
 hint_p = Primitive("jaxshard_hint")
 hint_p.def_impl(lambda x, *, spec, origin: x)
 hint_p.def_abstract_eval(lambda aval, *, spec, origin: aval)
-ad.deflinear2(
-    hint_p, lambda ct, x, *, spec, origin: [hint_p.bind(ct, spec=spec, origin=origin)]
-)
+ad.deflinear2(hint_p, lambda ct, x, *, spec, origin: [hint_p.bind(ct, spec=spec, origin=origin)])
 mlir.register_lowering(hint_p, lambda ctx, x, *, spec, origin: [x])
 
 

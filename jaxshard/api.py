@@ -41,7 +41,7 @@ from jaxshard.flax_meta import (
     restore_linen_boxes,
 )
 from jaxshard.lower import Lowered
-from jaxshard.pipeline import Pipeline, intercepting
+from jaxshard.pipeline import Pipeline, intercepting, replica_axes
 from jaxshard.plan import Plan, SavedPlan, auto_view, make_plan, mesh_axis_sizes
 from jaxshard.search import SearchResult, search_hints
 from jaxshard.trace import abstractify, arg_names
@@ -288,6 +288,7 @@ class AutoShard:
         if seen is not None:
             seen.check()
             plan.pipelined = tuple(dict.fromkeys(seen.loops))
+            plan = self._replicated_pipeline(plan, fn, dyn_args, dyn_kwargs, hints)
         self.plans_made += 1
         self._latest = plan
         donated = set()
@@ -303,6 +304,20 @@ class AutoShard:
         entry = _Entry(Lowered(plan), donated)
         entry.out_static = sink.get("out")
         return entry
+
+    def _replicated_pipeline(self, plan: Plan, fn, dyn_args, dyn_kwargs, hints) -> Plan:
+        """Plan the pipeline again with each microbatch split over the axes the first plan
+        put on its rows (data parallelism inside the pipeline): the weight gradients are
+        then summed over those axes once per step, not once per iteration. The plan that
+        moves fewer bytes is kept."""
+        axes = replica_axes(plan, self.pipeline)
+        if not axes:
+            return plan
+        with intercepting(self.pipeline, self.mesh, axes) as seen:
+            again = self._plan(fn, dyn_args, dyn_kwargs, hints)
+        seen.check()
+        again.pipelined = tuple(dict.fromkeys(seen.loops))
+        return again if again.predicted_bytes <= plan.predicted_bytes else plan
 
     def _plan(self, fn: Callable, dyn_args: tuple, dyn_kwargs: dict, hints: dict) -> Plan:
         """The plan for one call signature: searched, re-made from a saved plan, or

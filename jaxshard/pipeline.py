@@ -32,6 +32,7 @@ microbatch) whose results are dropped, so no NaN enters the gradients from them.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -73,8 +74,10 @@ class Pipeline:
                 f"Pipeline(axis={self.axis!r}): the axis is the name of a mesh axis, e.g. "
                 "Pipeline(axis='stage', microbatches=4)"
             )
-        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or (
-            self.microbatches < 1
+        if (
+            isinstance(self.microbatches, bool)
+            or not isinstance(self.microbatches, int)
+            or (self.microbatches < 1)
         ):
             raise ShardingError(
                 f"Pipeline(microbatches={self.microbatches!r}): give a positive int that "
@@ -121,6 +124,7 @@ class PipelinedLoop:
     batch: int
     carry: tuple[tuple[int, ...], ...]
     moving_consts: int  # values the body closes over that carry the batch
+    replicas: tuple[str, ...] = ()  # mesh axes each microbatch's rows are split over
 
     @property
     def bubble(self) -> float:
@@ -138,6 +142,11 @@ class PipelinedLoop:
             f"  carry {', '.join(str(c) for c in self.carry)} moves one stage per iteration "
             "by collective-permute",
         ]
+        if self.replicas:
+            lines.append(
+                f"  each microbatch's rows split over {', '.join(self.replicas)}: per replica "
+                "the weight gradients add up over iterations and are summed once after the loop"
+            )
         if self.moving_consts:
             lines.append(
                 f"  {self.moving_consts} value(s) the body closes over carry the batch and "
@@ -153,7 +162,23 @@ class PipelinedLoop:
             "stages": self.stages,
             "microbatches": self.microbatches,
             "batch": self.batch,
+            "replicas": list(self.replicas),
         }
+
+
+def replica_axes(plan: Any, pipeline: Pipeline) -> tuple[str, ...]:
+    """The mesh axes a plan put on the rows of the pipeline's microbatches (other than
+    the stage axis): a second planning splits each microbatch over them (`_Loop.run`).
+
+    Example:
+        >>> replica_axes(plan, Pipeline("stage", 4))  # doctest: +SKIP
+        ('data',)
+    """
+    axes: list[str] = []
+    for vid, pin in plan.graph.pins.items():
+        if pin.kind is PinKind.MICROBATCHES and len(pin.dims) > 1 and pin.dims[0] == ():
+            axes += [a for a in plan.dims[vid][1] or () if a != pipeline.axis and a not in axes]
+    return tuple(axes)
 
 
 class _Rejected(Exception):
@@ -167,6 +192,8 @@ class Interception:
 
     pipeline: Pipeline
     stages: int
+    axis_sizes: dict[str, int] = field(default_factory=dict)
+    replicas: tuple[str, ...] = ()  # mesh axes that split each microbatch's rows
     loops: list[PipelinedLoop] = field(default_factory=list)
     left: list[tuple[str, str]] = field(default_factory=list)
     busy: int = 0
@@ -191,7 +218,9 @@ _ORIGINAL_SCAN = jax.lax.scan
 
 
 @contextlib.contextmanager
-def intercepting(pipeline: Pipeline | None, mesh: Any) -> Iterator[Interception | None]:
+def intercepting(
+    pipeline: Pipeline | None, mesh: Any, replicas: tuple[str, ...] = ()
+) -> Iterator[Interception | None]:
     """While tracing under this context, `jax.lax.scan` calls that qualify run as a
     pipeline over ``pipeline.axis`` of ``mesh``; yields the `Interception` (None and no
     effect when ``pipeline`` is None). The caller checks `Interception.check` after
@@ -205,7 +234,8 @@ def intercepting(pipeline: Pipeline | None, mesh: Any) -> Iterator[Interception 
         yield None
         return
     pipeline.check_mesh(mesh.axis_names)
-    seen = Interception(pipeline, dict(zip(mesh.axis_names, mesh.devices.shape))[pipeline.axis])
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    seen = Interception(pipeline, sizes[pipeline.axis], sizes, tuple(replicas))
     outer = getattr(_ACTIVE, "value", None)
     _ACTIVE.value = seen
     jax.lax.scan = _scan
@@ -262,7 +292,9 @@ class _Loop:
         if not stacked:
             raise _Rejected("it has no xs (stacked per-layer arrays) to split over stages")
         if not carry or any(np.ndim(c) == 0 for c in carry):
-            raise _Rejected("its carry is not a batch of activations (every carry leaf needs a leading batch dim)")
+            raise _Rejected(
+                "its carry is not a batch of activations (every carry leaf needs a leading batch dim)"
+            )
         batch = int(np.shape(carry[0])[0])
         if any(np.shape(c)[0] != batch for c in carry):
             raise _Rejected(
@@ -303,38 +335,64 @@ class _Loop:
                 f"which {m} microbatches do not divide; pick microbatches= a divisor of {batch}"
             )
         consts = list(closed.consts)
-        analysis = _independence(closed, n_carry, len(stacked), m)
-        micro = _microbatched(analysis, closed, m)
+        r = math.prod(seen.axis_sizes[a] for a in seen.replicas)
+        if (batch // m) % r:  # the rows of a microbatch do not split over the replicas
+            r = 1
+        analysis = _independence(closed, n_carry, len(stacked), m * r)
+        micro = _microbatched(analysis, closed, m * r)
+        replicas = seen.replicas if r > 1 else ()
         return cls(
             line=line, layers=layers, stages=s, micro=micro, m=m, axis=axis, consts=consts,
             batch_consts=analysis.batch_consts, carry_tree=carry_tree, xs_tree=xs_tree,
             n_carry=n_carry, reverse=reverse, seen=seen, batch=batch,
-            carry_shapes=tuple(tuple(np.shape(c)) for c in carry),
+            carry_shapes=tuple(tuple(np.shape(c)) for c in carry), r=r, replicas=replicas,
+            replica_entry=replicas[0] if len(replicas) == 1 else replicas,
         )  # fmt: skip
 
     def run(self, init, xs):
-        """The pipelined loop on the scan's own operands; returns ``(carry, None)``."""
+        """The pipelined loop on the scan's own operands; returns ``(carry, None)``.
+
+        With replica axes (``self.replicas``: the mesh axes that shard the microbatch
+        rows, from a first plan), every stage's weights get a leading replica dim split
+        over them and each microbatch is split into R row groups run side by side
+        (``vmap``): each replica then accumulates its own weight gradient over the
+        iterations, and the sum over replicas (one all-reduce) happens once, after the
+        loop, instead of once per iteration."""
         s, m, axis, per = self.stages, self.m, self.axis, self.layers // self.stages
+        r, rep = self.r, self.replica_entry
         carry = jax.tree_util.tree_leaves(init)
         stacked = jax.tree_util.tree_leaves(xs)
         if self.reverse:  # layers L-1 ... 0: the same pipeline over the flipped stack
             stacked = [jnp.flip(x, 0) for x in stacked]
         layers = (PinKind.PIPELINE, f"the pipeline's stages (scan at {self.line})")
         slots = (PinKind.MICROBATCHES, f"the pipeline's microbatch slots (scan at {self.line})")
+        whole = (PinKind.MICROBATCHES, f"the pipeline's microbatches (scan at {self.line})")
 
-        def on_stages(x, origin=slots):  # the leading dim split over the stage axis
-            return hint_p.bind(x, spec=P(axis), origin=origin)
+        def pin(x, spec, origin=slots):
+            return hint_p.bind(x, spec=spec, origin=origin)
 
-        stacked = [on_stages(x.reshape(s, per, *x.shape[1:]), layers) for x in stacked]
+        stacked = [pin(x.reshape(s, per, *x.shape[1:]), P(axis), layers) for x in stacked]
+        if r > 1:  # (S, R, per, ...): one copy of each stage's layers per replica
+            stacked = [
+                pin(jnp.broadcast_to(x[:, None], (s, r, *x.shape[1:])), P(axis, rep), layers)
+                for x in stacked
+            ]
         moving = [(c, 0) for c in carry] + [(self.consts[i], d) for i, d in self.batch_consts]
-        micro = [_split(v, d, m) for v, d in moving]  # (M, ...) per moving value
+        # (M, [R,] ...) per moving value, every microbatch on every stage: indexed per
+        # iteration, so the microbatch dim is never split (a batch over the stage axis
+        # outside the pipeline is gathered here once, not once per iteration)
+        micro = [_split(v, d, m) for v, d in moving]
+        if r > 1:
+            micro = [_replicate(v, d + 1, r) for v, (_, d) in zip(micro, moving)]
+        micro_spec = P(None, rep) if r > 1 else P(None)
+        slot_spec = P(axis, rep) if r > 1 else P(axis)
+        micro = [pin(v, micro_spec, whole) for v in micro]
         n_carry, fixed = self.n_carry, dict(enumerate(self.consts))
         body = jaxpr_as_fun(self.micro)
-        const_order = [i for i in range(len(self.consts))]
         batch_index = {i: n_carry + j for j, (i, _) in enumerate(self.batch_consts)}
 
         def stage(weights, slot):
-            consts = [slot[batch_index[i]] if i in batch_index else fixed[i] for i in const_order]
+            consts = [slot[batch_index[i]] if i in batch_index else fixed[i] for i in fixed]
 
             def layer(c, w):
                 return tuple(body(*consts, *c, *w)), None
@@ -342,6 +400,7 @@ class _Loop:
             c, _ = jax.lax.scan(layer, tuple(slot[:n_carry]), tuple(weights))
             return [*c, *slot[n_carry:]]
 
+        run_stages = jax.vmap(jax.vmap(stage) if r > 1 else stage)
         stage_ids = jnp.arange(s)
 
         def on_stage(mask, v):
@@ -352,8 +411,8 @@ class _Loop:
             feed = [jax.lax.dynamic_index_in_dim(v, jnp.minimum(t, m - 1), 0, False) for v in micro]
             first = (stage_ids == 0) & (t < m)
             buf = [jnp.where(on_stage(first, b), f[None], b) for f, b in zip(feed, buf)]
-            buf = [on_stages(b) for b in buf]
-            buf = [on_stages(b) for b in jax.vmap(stage)(stacked, buf)]
+            buf = [pin(b, slot_spec) for b in buf]
+            buf = [pin(b, slot_spec) for b in run_stages(stacked, buf)]
             last = stage_ids == s - 1
             j = jnp.clip(t - (s - 1), 0, m - 1)
             new_outs = []
@@ -361,35 +420,45 @@ class _Loop:
                 done = jnp.sum(jnp.where(on_stage(last, b), b, jnp.zeros_like(b)), axis=0)
                 kept = jax.lax.dynamic_index_in_dim(o, j, 0, False)
                 done = jnp.where(t >= s - 1, done, kept)
-                new_outs.append(jax.lax.dynamic_update_index_in_dim(o, done, j, 0))
+                o = jax.lax.dynamic_update_index_in_dim(o, done, j, 0)
+                new_outs.append(pin(o, micro_spec, whole))
             return (_shift(buf, axis, s), new_outs), None
 
         first_slot = [jnp.broadcast_to(v[0], (s, *v.shape[1:])) for v in micro]
-        buf = [on_stages(b) for b in first_slot]
-        outs = [jnp.zeros_like(v) for v in micro[:n_carry]]
+        buf = [pin(b, slot_spec) for b in first_slot]
+        outs = [pin(jnp.zeros_like(v), micro_spec, whole) for v in micro[:n_carry]]
         (_, outs), _ = jax.lax.scan(tick, (buf, outs), jnp.arange(m + s - 1))
         self.seen.loops.append(
             PipelinedLoop(self.line, self.layers, s, m, self.batch, self.carry_shapes,
-                          len(self.batch_consts))
+                          len(self.batch_consts), self.replicas if r > 1 else ())
         )  # fmt: skip
-        new_carry = [_join(o, 0) for o in outs]
+        if r > 1:  # (M, R, rows/R, ...) -> (M, rows, ...)
+            outs = [o.reshape(o.shape[0], o.shape[1] * o.shape[2], *o.shape[3:]) for o in outs]
+        new_carry = [_join(o) for o in outs]
         return jax.tree_util.tree_unflatten(self.carry_tree, new_carry), None
 
 
 def _split(v, d: int, m: int):
     """(..., B at d, ...) -> (M, ...) with microbatch k holding rows k, M+k, 2M+k, ...
-    (strided, so a batch dim sharded over a mesh axis stays sharded in each microbatch)."""
+    (strided, so a batch dim sharded over a mesh axis stays sharded in each
+    microbatch); the rows stay at d + 1."""
     v = jnp.moveaxis(v, d, 0)
     v = jnp.swapaxes(v.reshape(v.shape[0] // m, m, *v.shape[1:]), 0, 1)
     return jnp.moveaxis(v, 1, d + 1)
 
 
-def _join(v, d: int):
-    """The inverse of `_split`."""
-    v = jnp.moveaxis(v, d + 1, 1)
+def _replicate(v, d: int, r: int):
+    """(M, ..., rows at d, ...) -> (M, R, ..., rows/R at d + 1, ...): replica k holds the
+    k-th block of rows, as a mesh axis sharding the rows holds them."""
+    v = jnp.moveaxis(v, d, 1)
+    v = v.reshape(v.shape[0], r, v.shape[1] // r, *v.shape[2:])
+    return jnp.moveaxis(v, 2, d + 1)
+
+
+def _join(v):
+    """The inverse of `_split` for rows at dim 1 (the carry's batch)."""
     v = jnp.swapaxes(v, 0, 1)
-    v = v.reshape(v.shape[0] * v.shape[1], *v.shape[2:])
-    return jnp.moveaxis(v, 0, d)
+    return v.reshape(v.shape[0] * v.shape[1], *v.shape[2:])
 
 
 def _shift(buf: list, axis: str, stages: int) -> list:
@@ -484,9 +553,7 @@ def _microbatched(analysis: _Analysis, closed: ClosedJaxpr, m: int) -> ClosedJax
 
     jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
     shrink = _Shrink(analysis.graph, analysis.dims, m)
-    avals = [
-        jax.ShapeDtypeStruct(shrink.shape((), v), v.aval.dtype) for v in jaxpr.invars
-    ]
+    avals = [jax.ShapeDtypeStruct(shrink.shape((), v), v.aval.dtype) for v in jaxpr.invars]
     return jax.make_jaxpr(lambda *a: shrink.run(jaxpr, (), (), a))(*avals)
 
 
@@ -546,9 +613,7 @@ class _Shrink:
         else:
             name = eqn.primitive.name
             params = dict(eqn.params)
-            if name == "iota" and any(
-                a != b for a, b in zip(want[0], eqn.outvars[0].aval.shape)
-            ):
+            if name == "iota" and any(a != b for a, b in zip(want[0], eqn.outvars[0].aval.shape)):
                 raise ShardingError(
                     f"pipeline: the layer body numbers the batch rows (iota at {line}); each "
                     "microbatch would number its own rows. Pass row indices in as a value "
@@ -618,9 +683,7 @@ class _Shrink:
             )
             return list(out)
         if prim is prims.cond_p:
-            branches = [
-                (lambda r: lambda *a: tuple(body(r)(*a)))(r) for r in range(len(regions))
-            ]
+            branches = [_tupled(body(r)) for r in range(len(regions))]
             return list(jax.lax.switch(ins[0], branches, *ins[1:]))
         if len(regions) == 1 and all(
             link.outer == link.inner and link.rule is None for link in regions[0].links
@@ -630,6 +693,11 @@ class _Shrink:
             f"pipeline: cannot run {name} inside the layer body on microbatches; move it "
             "out of the scanned layer or drop pipeline="
         )
+
+
+def _tupled(fn):
+    """``fn`` returning a tuple (what `lax.switch` branches must agree on)."""
+    return lambda *a: tuple(fn(*a))
 
 
 def _bind(eqn, ins, params) -> list:

@@ -683,7 +683,9 @@ def split_storage(pins: Mapping[int, Pin], graph: Graph) -> tuple[dict[int, Pin]
     # the pipeline's stage pins spend their axis on the layer stack the state leaves hold
     pipeline = (PinKind.PIPELINE, PinKind.MICROBATCHES)
     spent = {vid: pin for vid, pin in pins.items() if pin.kind not in pipeline}
-    used = {ax for vid, pin in spent.items() if vid not in state for d in pin.dims for ax in d or ()}
+    used = {
+        ax for vid, pin in spent.items() if vid not in state for d in pin.dims for ax in d or ()
+    }
     compute, storage = {}, {}
     for vid, pin in pins.items():
         stored = vid in state and any(ax in used for d in pin.dims for ax in d or ())

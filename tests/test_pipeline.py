@@ -61,6 +61,13 @@ def test_layer_stack_and_its_state_split_over_stages(sgd_runs):
     plan = piped.plan(*args)
     (loop,) = plan.pipelined
     assert (loop.layers, loop.stages, loop.microbatches, loop.batch) == (4, 2, 4, 16)
+    # data parallel inside the pipeline: each replica adds up its own weight gradients,
+    # summed over "data" once per step, never once per iteration
+    assert loop.replicas == ("data",)
+    per_iteration = [
+        r for r in plan.reshards if r.runs > 1 and any("over data" in c for c in r.collectives)
+    ]
+    assert not per_iteration, [(r.where, r.collectives, r.runs) for r in per_iteration]
     params_specs, _, _ = plan.in_specs
     for name, spec in params_specs["layers"].items():
         assert spec[0] == "stage", (name, spec)
@@ -187,7 +194,9 @@ def test_hint_on_the_layer_dim_disagrees_with_the_pipeline(pipe_mesh, llama):
     step = make_train_step(functools.partial(llama_loss, cfg=CFG), optax.sgd(0.1))
     hints = {r"batch/.*": P("data"), r"params/layers/wq": P("model")}
     piped = jaxshard.auto_shard(pipe_mesh, hints, pipeline=Pipeline("stage", 2))(step)
-    with pytest.raises(ShardingError, match=r"params/layers/wq: .* puts \('model',\) on the layer dim"):
+    with pytest.raises(
+        ShardingError, match=r"params/layers/wq: .* puts \('model',\) on the layer dim"
+    ):
         piped.plan(params, optax.sgd(0.1).init(params), batch)
 
 
