@@ -283,12 +283,15 @@ class AutoShard:
         if self.flax_metadata:
             for key, spec in self._metadata_hints(fn, dyn_args, dyn_kwargs).items():
                 hints[key] = spec
-        with intercepting(self.pipeline, self.mesh) as seen:
+        saved = self.saved_plan.record.get("pipeline", []) if self.saved_plan else []
+        replicas = tuple(dict.fromkeys(a for loop in saved for a in loop.get("replicas", ())))
+        with intercepting(self.pipeline, self.mesh, replicas) as seen:
             plan = self._plan(fn, dyn_args, dyn_kwargs, hints)
         if seen is not None:
             seen.check()
             plan.pipelined = tuple(dict.fromkeys(seen.loops))
-            plan = self._replicated_pipeline(plan, fn, dyn_args, dyn_kwargs, hints)
+            if self.saved_plan is None:
+                plan = self._replicated_pipeline(plan, fn, dyn_args, dyn_kwargs, hints)
         self.plans_made += 1
         self._latest = plan
         donated = set()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxshard.cost import human_bytes, nbytes, per_device_bytes
+from jaxshard.cost import compute_flops, human_bytes, nbytes, per_device_bytes
 from jaxshard.lattice import to_spec
 from jaxshard.plan import register_stage
 
@@ -147,6 +147,9 @@ def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False
         f"({human_bytes(sum(nbytes(g.shapes[v], g.dtypes[v]) for v in g.out_vids))} replicated)",
         f"predicted communication: {human_bytes(plan.predicted_bytes)} per device per call"
         + (f" ({while_note(plan)})" if plan.while_reshards else ""),
+        f"predicted compute: {compute_flops(plan) / 1e9:.3g} GFLOP per device per call "
+        "(matrix multiplies and convolutions"
+        + ("; the pipeline's bubble iterations included)" if plan.pipelined else ")"),
     ]
     return "\n".join(out)
 

@@ -35,7 +35,7 @@ from jaxshard.cost import (
 )
 from jaxshard.errors import ShardingError
 from jaxshard.graph import Graph, build_graph
-from jaxshard.lattice import DimSharding, to_spec
+from jaxshard.lattice import DimSharding, spec_entry, to_spec
 from jaxshard.propagate import STORAGE_RANK, Conflict, Origin, Propagator
 from jaxshard.trace import Traced, auto_view, trace_on_mesh  # noqa: F401 (auto_view re-exported)
 
@@ -558,9 +558,10 @@ def _stack_on_stages(graph: Graph, pins: dict[int, Pin]) -> None:
             pins[stacked] = Pin(dims, source, hinted.kind)
         elif layer is not None and layer != pin.dims[0]:
             raise ShardingError(
-                f"{graph.value_name(stacked)}: {hinted.source} puts {layer} on the layer dim "
-                f"that {pin.source} splits over {pin.dims[0]}; leave that dim to the "
-                "pipeline (None or P.UNCONSTRAINED) or drop pipeline="
+                f"{graph.value_name(stacked)}: {hinted.source} puts {spec_entry(layer)!r} on "
+                f"the layer dim, which the pipeline splits over {spec_entry(pin.dims[0])!r} "
+                f"({pin.source}); leave that dim to the pipeline (None or P.UNCONSTRAINED) "
+                "or drop pipeline="
             )
 
 

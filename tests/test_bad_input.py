@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxshard
-from jaxshard import JaxshardWarning, ShardingError
+from jaxshard import JaxshardWarning, Pipeline, ShardingError
 
 W = jax.ShapeDtypeStruct((12, 16), jnp.float32)
 X = jax.ShapeDtypeStruct((8, 12), jnp.float32)
@@ -478,3 +478,75 @@ def test_fsdp_hint_on_the_batch_axis_is_a_storage_layout(mesh):
     moved = {c for r in plan.reshards for c in r.collectives}
     assert "all-gather over data" in moved and not any("all-to-all" in c for c in moved)
     assert_leaves_match(step({"w": w}, {"x": x}), jax.jit(sgd)({"w": w}, {"x": x}))
+
+
+# --- pipeline parallelism (auto_shard(pipeline=...)) ----------------------------------
+
+
+def test_no_qualifying_scan_names_each_scan_and_why(pipe_mesh):
+    def loss(params, x):
+        def layer(h, w):  # sums over the batch: rows are not independent
+            h = jnp.tanh(h @ w)
+            return h - h.mean(axis=0), None
+
+        h, _ = jax.lax.scan(layer, x, params)
+        return jnp.sum(h)
+
+    params, x = jnp.ones((4, 8, 8)), jnp.ones((8, 8))
+    piped = jaxshard.auto_shard(pipe_mesh, pipeline=Pipeline("stage", 2))(jax.grad(loss))
+    with pytest.raises(ShardingError, match=r"no scan of the step qualifies") as e:
+        piped.plan(params, x)
+    assert "sums over the batch at reduce_sum" in str(e.value)
+    assert "test_bad_input.py" in str(e.value)
+
+
+def test_no_scan_at_all(pipe_mesh):
+    piped = jaxshard.auto_shard(pipe_mesh, pipeline=Pipeline("stage", 2))(lambda x: x * 2)
+    with pytest.raises(ShardingError, match=r"the step calls no jax.lax.scan"):
+        piped.plan(jnp.ones((8, 4)))
+
+
+@pytest.mark.parametrize(
+    "layers, batch, microbatches, error",
+    [
+        (3, 8, 2, r"has 3 layers, which the 2 stages of mesh axis 'stage' do not divide"),
+        (4, 6, 4, r"carries a batch of 6 rows, which 4 microbatches do not divide"),
+    ],
+)
+def test_sizes_that_do_not_divide(pipe_mesh, layers, batch, microbatches, error):
+    def loss(params, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params)
+        return jnp.sum(h)
+
+    piped = jaxshard.auto_shard(pipe_mesh, pipeline=Pipeline("stage", microbatches))
+    with pytest.raises(ShardingError, match=error) as e:
+        piped(jax.grad(loss)).plan(jnp.ones((layers, 8, 8)), jnp.ones((batch, 8)))
+    assert "test_bad_input.py" in str(e.value)
+
+
+def test_pipeline_axis_missing_from_mesh(mesh):
+    with pytest.raises(ShardingError, match=r"Pipeline\(axis='stage'\) is not an axis of the mesh"):
+        jaxshard.auto_shard(mesh, pipeline=Pipeline("stage", 2))(lambda x: x)
+
+
+def test_hint_on_the_layer_dim_disagrees_with_the_pipeline(pipe_mesh):
+    def loss(params, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params["w"])
+        return jnp.sum(h)
+
+    hints = {r"x": P("data"), r"params/w": P("model")}
+    piped = jaxshard.auto_shard(pipe_mesh, hints, pipeline=Pipeline("stage", 2))
+    error = r"params/w: hint 'params/w': P\('model'\) puts 'model' on the layer dim, which the pipeline splits over 'stage' \(the pipeline's stages \(scan at .*test_bad_input.py"
+    with pytest.raises(ShardingError, match=error):
+        piped(jax.grad(loss)).plan({"w": jnp.ones((4, 8, 8))}, jnp.ones((8, 8)))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_bad_microbatches(bad):
+    with pytest.raises(ShardingError, match=r"microbatches=.* positive int"):
+        Pipeline("stage", bad)
+
+
+def test_pipeline_option_takes_a_pipeline(pipe_mesh):
+    with pytest.raises(ShardingError, match=r"pipeline= takes a jaxshard.Pipeline"):
+        jaxshard.auto_shard(pipe_mesh, pipeline="stage")(lambda x: x)
