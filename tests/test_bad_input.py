@@ -536,7 +536,10 @@ def test_hint_on_the_layer_dim_disagrees_with_the_pipeline(pipe_mesh):
 
     hints = {r"x": P("data"), r"params/w": P("model")}
     piped = jaxshard.auto_shard(pipe_mesh, hints, pipeline=Pipeline("stage", 2))
-    error = r"params/w: hint 'params/w': P\('model'\) puts 'model' on the layer dim, which the pipeline splits over 'stage' \(the pipeline's stages \(scan at .*test_bad_input.py"
+    error = (
+        r"params/w: hint 'params/w': P\('model'\) puts 'model' on the layer dim, which the "
+        r"pipeline splits over 'stage' \(the pipeline's stages \(scan at .*test_bad_input.py"
+    )
     with pytest.raises(ShardingError, match=error):
         piped(jax.grad(loss)).plan({"w": jnp.ones((4, 8, 8))}, jnp.ones((8, 8)))
 
