@@ -4,8 +4,9 @@
     python -m benchmarks.run --quick    # a smoke run of every code path; writes results/quick/
 
 Sections: planning speed (`benchmarks.speed`), plan quality (`benchmarks.quality`), step
-time on the simulated CPU mesh (noisy), and every hint set against Shardy alone with the
-Pareto pictures (`benchmarks.never_lose`). Runs on 8 simulated CPU devices.
+time on the simulated CPU mesh (noisy), every hint set against Shardy alone with the
+Pareto pictures (`benchmarks.never_lose`), on 8 simulated CPU devices; and pipeline
+parallelism at the 8B scale (`benchmarks.pipeline`, its own process on 64).
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def _write(out: str, name: str, text: str) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: small models, few reps")
-    parser.add_argument("--only", choices=("speed", "quality", "never_lose"),
+    parser.add_argument("--only", choices=("speed", "quality", "never_lose", "pipeline"),
                         help="run one section")  # fmt: skip
     parser.add_argument("--compile-all", action="store_true",
                         help="also XLA-compile the 24- and 48-layer unrolled programs (slow)")  # fmt: skip
@@ -251,6 +252,17 @@ def main(argv=None) -> None:
         text = never_lose.report(points, out, f"{env} {load_now()}")
         _write(out, "never_lose.md", text)
         sections.append(text)
+
+    if args.only in (None, "pipeline"):  # 64 simulated devices: its own process
+        t0 = time.perf_counter()
+        command = [sys.executable, "-m", "benchmarks.pipeline"] + (
+            ["--quick"] if args.quick else []
+        )
+        done = subprocess.run(
+            command, cwd=os.path.dirname(HERE), capture_output=True, text=True, check=True
+        )
+        log(f"[pipeline] section took {time.perf_counter() - t0:.0f} s")
+        sections.append(done.stdout)
 
     print("\n\n".join(sections))
     seconds = time.perf_counter() - start
