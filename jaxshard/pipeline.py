@@ -67,6 +67,11 @@ class Pipeline:
 
     axis: str = "stage"
     microbatches: int = 4
+    # data parallelism inside the pipeline: each microbatch split over the mesh axes that
+    # shard its rows, every replica adding up its own weight gradients, summed once per
+    # step (fewer bytes; XLA keeps the per-replica accumulators: more memory). False:
+    # the gradients are summed over those axes every iteration.
+    replicate: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:
@@ -83,6 +88,9 @@ class Pipeline:
                 f"Pipeline(microbatches={self.microbatches!r}): give a positive int that "
                 "divides the batch, e.g. microbatches=4"
             )
+
+        if not isinstance(self.replicate, bool):
+            raise ShardingError(f"Pipeline(replicate={self.replicate!r}): True or False")
 
     def bubble(self, stages: int) -> float:
         """The fraction of a GPipe step each stage idles: (S−1)/(M+S−1).
@@ -175,6 +183,8 @@ def replica_axes(plan: Any, pipeline: Pipeline) -> tuple[str, ...]:
         ('data',)
     """
     axes: list[str] = []
+    if not pipeline.replicate:
+        return ()
     for vid, pin in plan.graph.pins.items():
         if pin.kind is PinKind.MICROBATCHES and len(pin.dims) > 1 and pin.dims[0] == ():
             axes += [a for a in plan.dims[vid][1] or () if a != pipeline.axis and a not in axes]

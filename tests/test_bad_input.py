@@ -550,6 +550,11 @@ def test_bad_microbatches(bad):
         Pipeline("stage", bad)
 
 
+def test_bad_replicate():
+    with pytest.raises(ShardingError, match=r"Pipeline\(replicate='yes'\): True or False"):
+        Pipeline("stage", 2, replicate="yes")
+
+
 def test_pipeline_option_takes_a_pipeline(pipe_mesh):
     with pytest.raises(ShardingError, match=r"pipeline= takes a jaxshard.Pipeline"):
         jaxshard.auto_shard(pipe_mesh, pipeline="stage")(lambda x: x)
