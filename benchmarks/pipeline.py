@@ -16,9 +16,9 @@ parallel on model):
   hinted on data only (the embedding, output head and loss then run on every stage for
   the stage's whole data shard) and on (data, stage) (those parts then use the stage
   devices as data parallelism too; the microbatches are gathered over the stage axis
-  where the pipeline starts). By default each microbatch is split over "data" inside the
-  pipeline and each replica adds up its own weight gradients, summed once per step; one
-  row shows `Pipeline(replicate=False)`, where they are summed every iteration.
+  where the pipeline starts). The weight gradients are summed over "data" every
+  iteration; one row shows `Pipeline(replicate=True)`, where each replica adds up its
+  own and they are summed once per step.
 
 Columns: memory per device (`memory_analysis`: arguments + results + temporaries −
 aliased), collective bytes per device per step (compiled, ring volumes), compute per
@@ -103,8 +103,8 @@ def run(quick: bool = False, microbatches=(4, 8, 16), log=print) -> tuple[list, 
     )  # fmt: skip
     last = microbatches[-1]
     layouts.append(
-        (f"pipeline, M = {last}, batch on (data, stage), gradients summed every iteration",
-         outside, jaxshard.Pipeline("stage", last, replicate=False))
+        (f"pipeline, M = {last}, batch on (data, stage), replicate=True",
+         outside, jaxshard.Pipeline("stage", last, replicate=True))
     )  # fmt: skip
     layouts += [
         (f"pipeline, M = {m}, batch on (data, stage)", outside, jaxshard.Pipeline("stage", m))
@@ -147,7 +147,7 @@ def report(rows, w) -> str:
         "|---|---|---|---|",
     ]
     for name, pipeline, m in rows:
-        if pipeline is None or "(data, stage)" not in name or not pipeline.replicate:
+        if pipeline is None or "(data, stage)" not in name or pipeline.replicate:
             continue
         mb = pipeline.microbatches
         out.append(

@@ -67,11 +67,11 @@ class Pipeline:
 
     axis: str = "stage"
     microbatches: int = 4
-    # data parallelism inside the pipeline: each microbatch split over the mesh axes that
-    # shard its rows, every replica adding up its own weight gradients, summed once per
-    # step (fewer bytes; XLA keeps the per-replica accumulators: more memory). False:
-    # the gradients are summed over those axes every iteration.
-    replicate: bool = True
+    # data parallelism inside the pipeline: with True, each microbatch is split over the
+    # mesh axes that shard its rows, every replica adds up its own weight gradients and
+    # they are summed once per step (fewer bytes; XLA keeps the per-replica accumulators:
+    # more memory). False: the gradients are summed over those axes every iteration.
+    replicate: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:

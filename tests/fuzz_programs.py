@@ -583,6 +583,7 @@ class PipeCase:
     remat: bool
     microbatches: int
     hints: dict[str, P] = field(default_factory=dict)
+    replicate: bool = False
     d: int = 8
 
     def source(self) -> str:
@@ -625,7 +626,7 @@ class PipeCase:
         hints = ", ".join(f"{k!r}: {spec_text(v)}" for k, v in self.hints.items())
         return (
             f"{self.source()}\n# layers={self.layers} batch={self.batch} seq={self.seq} "
-            f"microbatches={self.microbatches} hints={{{hints}}}"
+            f"microbatches={self.microbatches} replicate={self.replicate} hints={{{hints}}}"
         )
 
 
@@ -642,4 +643,5 @@ def pipe_cases(draw) -> PipeCase:
         hints[r"x"] = P("data") if (batch // microbatches) % 2 == 0 else P()
     if draw(st.booleans()):
         hints[r"p/a"] = P(None, None, "model")
-    return PipeCase(layers, batch, seq, body, draw(st.booleans()), microbatches, hints)
+    remat, replicate = draw(st.booleans()), draw(st.booleans())
+    return PipeCase(layers, batch, seq, body, remat, microbatches, hints, replicate)

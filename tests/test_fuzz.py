@@ -363,7 +363,7 @@ def test_pipelined_stack_matches_unsharded(case, pipe_mesh):
     gradients, whatever its body, microbatches and hints."""
     fn, (p, x, mask) = case.fn(), case.inputs()
     want = jax.jit(fn)(p, x, mask)
-    pipeline = jaxshard.Pipeline("stage", case.microbatches)
+    pipeline = jaxshard.Pipeline("stage", case.microbatches, replicate=case.replicate)
     got = jaxshard.auto_shard(pipe_mesh, case.hints, pipeline=pipeline)(fn)(p, x, mask)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     assert_leaves_match(got[1], want[1])

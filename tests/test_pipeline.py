@@ -34,11 +34,13 @@ def llama():
 
 @pytest.fixture(scope="module")
 def sgd_runs(pipe_mesh, llama):
-    """Two SGD steps unsharded and pipelined (stage=2, data=2, model=2; 4 microbatches)."""
+    """Two SGD steps unsharded and pipelined (stage=2, data=2, model=2; 4 microbatches,
+    each split over "data" inside the pipeline)."""
     params, batch = llama
     opt = optax.sgd(0.1)
     step = make_train_step(functools.partial(llama_loss, cfg=CFG), opt)
-    piped = jaxshard.auto_shard(pipe_mesh, HINTS, pipeline=Pipeline("stage", 4))(step)
+    pipeline = Pipeline("stage", 4, replicate=True)
+    piped = jaxshard.auto_shard(pipe_mesh, HINTS, pipeline=pipeline)(step)
     ref = jax.jit(step)
     runs = {"ref": (params, opt.init(params)), "piped": (params, opt.init(params))}
     losses = {"ref": [], "piped": []}
@@ -61,8 +63,8 @@ def test_layer_stack_and_its_state_split_over_stages(sgd_runs):
     plan = piped.plan(*args)
     (loop,) = plan.pipelined
     assert (loop.layers, loop.stages, loop.microbatches, loop.batch) == (4, 2, 4, 16)
-    # data parallel inside the pipeline: each replica adds up its own weight gradients,
-    # summed over "data" once per step, never once per iteration
+    # replicate=True: each replica adds up its own weight gradients, summed over "data"
+    # once per step, never once per iteration
     assert loop.replicas == ("data",)
     per_iteration = [
         r for r in plan.reshards if r.runs > 1 and any("over data" in c for c in r.collectives)
