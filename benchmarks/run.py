@@ -5,8 +5,9 @@
 
 Sections: planning speed (`benchmarks.speed`), plan quality (`benchmarks.quality`), step
 time on the simulated CPU mesh (noisy), every hint set against Shardy alone with the
-Pareto pictures (`benchmarks.never_lose`), on 8 simulated CPU devices; and pipeline
-parallelism at the 8B scale (`benchmarks.pipeline`, its own process on 64).
+Pareto pictures (`benchmarks.never_lose`), on 8 simulated CPU devices; and at the 8B
+scale, pipeline parallelism (`benchmarks.pipeline`) and the search (`benchmarks.scale`),
+each in its own process on 64.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def _write(out: str, name: str, text: str) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: small models, few reps")
-    parser.add_argument("--only", choices=("speed", "quality", "never_lose", "pipeline"),
+    parser.add_argument("--only", choices=("speed", "quality", "never_lose", "pipeline", "scale"),
                         help="run one section")  # fmt: skip
     parser.add_argument("--compile-all", action="store_true",
                         help="also XLA-compile the 24- and 48-layer unrolled programs (slow)")  # fmt: skip
@@ -253,15 +254,16 @@ def main(argv=None) -> None:
         _write(out, "never_lose.md", text)
         sections.append(text)
 
-    if args.only in (None, "pipeline"):  # 64 simulated devices: its own process
+    for name in ("pipeline", "scale"):  # 64 simulated devices each: their own processes
+        if args.only not in (None, name):
+            continue
         t0 = time.perf_counter()
-        command = [sys.executable, "-m", "benchmarks.pipeline"] + (
-            ["--quick"] if args.quick else []
-        )
+        command = [sys.executable, "-m", f"benchmarks.{name}"]
+        command += ["--quick"] if args.quick else []
         done = subprocess.run(
             command, cwd=os.path.dirname(HERE), capture_output=True, text=True, check=True
         )
-        log(f"[pipeline] section took {time.perf_counter() - t0:.0f} s")
+        log(f"[{name}] section took {time.perf_counter() - t0:.0f} s")
         sections.append(done.stdout)
 
     print("\n\n".join(sections))
