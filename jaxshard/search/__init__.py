@@ -97,11 +97,18 @@ def search_hints(
             f"decisions, {len(problem.terms)} joint terms ({time.perf_counter() - t0:.1f} s)"
         )
         tried: list[tuple[MemoryEstimate, Plan, dict[int, int]]] = []
+        # the search priced its leaves' layouts: a parameter stored on an extra axis is
+        # gathered at its uses, the rest (optimizer state too) is the computation's layout
+        def storage(choice):
+            return {graph.in_vids[i]: problem.stored_apart(i, choice) for i in problem.leaf_group}
+
 
         def propagated(choice):
             chosen = problem.hints_for(choice)
             searched = {**hints, **chosen}
-            plan = plan_from_graph(traced, graph, mesh, searched, problem.cost_model)
+            plan = plan_from_graph(
+                traced, graph, mesh, searched, problem.cost_model, storage=storage(choice)
+            )
             memory = memory_estimate(graph, plan.dims, plan.axis_sizes, plan.out_dims, problem.live)
             tried.append((memory, plan, choice))
             return plan, memory

@@ -341,6 +341,17 @@ class Problem(MemoryModel):
             lay = [p if p is not None else x for p, x in zip(pin, lay)]
         return lay
 
+    def stored_apart(self, i: int, choice: Mapping[int, int]) -> bool:
+        """Whether argument leaf ``i`` is stored on an extra axis its computation does not
+        use (a parameter under FSDP, gathered at its uses); optimizer state on an extra
+        axis is updated in its stored layout (ZeRO-1)."""
+        k = self.leaf_group.get(i)
+        dec = None if k is None else self.groups[k].extra
+        if dec is None or i in self.followers:
+            return False
+        extra = self.decisions[dec].candidates[choice[dec]]
+        return extra is not None and extra[2] == "all"
+
     def refs(self, v: int) -> tuple[int, ...]:
         """Per dim of value ``v``: its decision (>= 0) or fixed axes (-1 - index)."""
         return self.value_refs[v]
