@@ -304,3 +304,56 @@ def test_memory_counts_the_largest_live_set():
     half = memory_estimate(g, [[("data",), ()] if len(s) == 2 else [] for s in g.shapes],
                            {"data": 2})  # fmt: skip
     assert half.arguments == 64 and half.activations == 3 * 64
+
+
+# --- the memory-bound space: compute in the objective, the batch over several axes ---
+
+COMPUTE_BOUND = CostModel(default_bandwidth=1e11, flops=1e9)  # compute outweighs comm
+
+
+def test_without_flops_replicated_compute_is_free(gpt, mesh):
+    # communication alone: nothing sharded moves nothing, so the search shards nothing
+    step, args = gpt
+    result = search_hints(step, args, {}, mesh, {}, cost_model=CostModel(default_bandwidth=1e11))
+    assert result.estimated_seconds == 0.0
+    assert all(s == P(*([None] * len(s))) for s in result.hints.values())
+
+
+@pytest.mark.parametrize(
+    "hints", [{}, {r"batch/.*": P(P.UNCONSTRAINED)}], ids=["no hints", "batch unconstrained"]
+)
+def test_flops_put_an_unhinted_batch_over_every_axis(gpt, mesh, hints):
+    # with compute priced, replicated work costs 8x: data parallel over the whole mesh
+    step, args = gpt
+    result = search_hints(step, args, {}, mesh, hints, cost_model=COMPUTE_BOUND)
+    assert result.hints[re.escape("batch/tok")] == P(("data", "model"), None)
+    assert result.hints[re.escape("batch/tgt")] == P(("data", "model"), None)
+    assert "communication + compute" in result.explanation
+
+
+def test_a_hinted_batch_keeps_its_axes(gpt, mesh):
+    step, args = gpt
+    result = search_hints(step, args, {}, mesh, BATCH, cost_model=COMPUTE_BOUND)
+    plan = result.plan
+    tok = plan.graph.in_vids[arg_names(step, args, {})[0].index("batch/tok")]
+    assert plan.dims[tok][0] == ("data",)
+
+
+def test_search_plans_its_storage_layouts_once(gpt, mesh, megatron, monkeypatch):
+    # the search prices which leaves are stored apart: planning does not retry each
+    # searched leaf's storage layout on the computation (one propagation per layout)
+    import jaxshard.plan as plan_module
+
+    calls = []
+    propagate = plan_module.propagate_pins
+
+    def spy(*a, **k):
+        calls.append(1)
+        return propagate(*a, **k)
+
+    monkeypatch.setattr(plan_module, "propagate_pins", spy)
+    step, args = gpt
+    result = search_hints(step, args, {}, mesh, BATCH, memory_budget=0.97 * megatron[1])
+    states = [s for k, s in result.hints.items() if k.startswith("opt_state")]
+    assert any("data" in jax.tree.leaves(tuple(s)) for s in states)  # ZeRO on "data"
+    assert len(calls) <= 3

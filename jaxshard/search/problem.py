@@ -286,10 +286,20 @@ class Problem(MemoryModel):
                 self.ref[k] = dec
             else:
                 self.ref[k] = -1
+        # a class holding a dim of a data argument (not state the step returns: the
+        # batch) may also take every mesh axis at once, major to minor (data parallel
+        # over the whole mesh); for state, one axis per dim keeps the program small
+        data_classes = {
+            k for k, ms in members.items() if any(i not in self.tied for i in self._leaves_of(ms))
+        }
+        multi = tuple(a for a, n in self.sizes.items() if n > 1)
         for dec, size in divides.items():
             self.decisions[dec].candidates += [
                 (a,) for a, n in self.sizes.items() if n > 1 and size % n == 0
             ]
+            if len(multi) > 1 and size % math.prod(self.sizes[a] for a in multi) == 0:
+                if any(self.ref.get(k) == dec for k in data_classes):
+                    self.decisions[dec].candidates.append(multi)
         self.n_class_decisions = len(self.decisions)
         if self.budget is not None:  # an extra storage axis per group, for memory
             total = sum(self._leaf_bytes(i) for i in self.leaf_group)
@@ -312,6 +322,11 @@ class Problem(MemoryModel):
                     grp.extra = len(self.decisions)
                     self.decisions.append(Decision(f"{grp.key} extra axis", cands))
         self.followers = {i for grp in self.groups for i in grp.followers}
+
+    def _leaves_of(self, members) -> list[int]:
+        """The argument leaves of the groups in ``members`` ((group, dim) pairs)."""
+        return [i for k, _ in members for grp in (self.groups[k],)
+                for i in (*grp.owners, *grp.followers)]  # fmt: skip
 
     def _class_name(self, members: frozenset) -> str:
         k, d = min(members, key=lambda m: (self.groups[m[0]].key, m[1]))
