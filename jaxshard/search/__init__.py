@@ -97,11 +97,11 @@ def search_hints(
             f"decisions, {len(problem.terms)} joint terms ({time.perf_counter() - t0:.1f} s)"
         )
         tried: list[tuple[MemoryEstimate, Plan, dict[int, int]]] = []
+
         # the search priced its leaves' layouts: a parameter stored on an extra axis is
         # gathered at its uses, the rest (optimizer state too) is the computation's layout
         def storage(choice):
             return {graph.in_vids[i]: problem.stored_apart(i, choice) for i in problem.leaf_group}
-
 
         def propagated(choice):
             chosen = problem.hints_for(choice)
