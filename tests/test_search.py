@@ -20,6 +20,7 @@ import jaxshard
 from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes
 from jaxshard.plan import dead_apps
 from jaxshard.search import group_key, search_hints, solver
+from jaxshard.search.memory import fused_liveness
 from jaxshard.trace import arg_names
 
 BATCH = {r"batch/.*": P("data")}
@@ -59,8 +60,10 @@ def exact_hints(step, args, rules):
 
 
 def footprint(plan):
+    """A plan's memory as the search counts it (buffers as XLA's fusion leaves them)."""
     g = plan.graph
-    return memory_estimate(g, plan.dims, plan.axis_sizes, plan.out_dims, liveness(g, dead_apps(g)))
+    live = fused_liveness(g, liveness(g, dead_apps(g)))
+    return memory_estimate(g, plan.dims, plan.axis_sizes, plan.out_dims, live)
 
 
 @pytest.fixture(scope="module")

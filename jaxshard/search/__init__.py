@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping
 
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxshard.cost import CostModel, MemoryEstimate, human_bytes, memory_estimate, step_bytes
+from jaxshard.cost import CostModel, MemoryEstimate, human_bytes, step_bytes
 from jaxshard.errors import warn
 from jaxshard.plan import Plan, gc_paused, plan_from_graph, trace_graph
 from jaxshard.search.problem import US, Problem, group_key
@@ -109,7 +109,7 @@ def search_hints(
             plan = plan_from_graph(
                 traced, graph, mesh, searched, problem.cost_model, storage=storage(choice)
             )
-            memory = memory_estimate(graph, plan.dims, plan.axis_sizes, plan.out_dims, problem.live)
+            memory = problem.estimate(plan.dims, plan.out_dims, choice)
             tried.append((memory, plan, choice))
             return plan, memory
 
