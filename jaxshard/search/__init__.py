@@ -10,17 +10,24 @@ Outline, module by module:
    replicated. Repeated layers share decisions: arguments are grouped by their path with
    layer indices as ``*`` (``params/layers/*/attn/wq``) and shape, optimizer state joins
    the parameter whose path ends its own. With a memory budget each group may also store
-   an extra mesh axis on a free dim (ZeRO), gathered where it is used. Each decision picks
-   one candidate (unsharded, or one mesh axis dividing all its sizes); costs come from the
-   rules (a sharded reduction factor leaves its results partial: an all-reduce; a sharded
-   need-replication factor gathers its operands; one axis may not shard two dims), and
+   an extra mesh axis (or the whole mesh) on a free dim: its optimizer state alone
+   (ZeRO-1), or, for a parameter every use of which contracts it, the parameter with its
+   state (FSDP/ZeRO-3: gathered at each use, the gathered copy alive from the first use
+   to the last). Each decision picks one candidate (unsharded, or one mesh axis dividing
+   all its sizes; a class holding a data argument's dim, the unhinted batch, may also
+   take every axis at once); costs come from the rules (a sharded reduction factor leaves
+   its results partial: an all-reduce; a sharded need-replication factor gathers its
+   operands; one axis may not shard two dims; with ``CostModel(flops=...)`` each
+   equation's FLOPs over the devices that split it), and
    equations with the same rule and decisions count once with their multiplicity, so a
    48-layer model costs little more than a 12-layer one.
 2. `memory` prices per-device memory (a mixin of the problem): arguments, results and the
-   live activations at an equation, per joint choice of the decisions they depend on.
+   live activations at an equation, per joint choice of the decisions they depend on;
+   buffers are counted as XLA's fusion leaves them (`memory.fused_liveness`), so that a
+   budget compares with the compiled program's memory.
 3. `solver` writes the integer program for HiGHS (``highspy``): a one-hot variable per
    decision candidate and one per joint choice of the decisions an equation or tensor
-   touches; it minimizes the estimated communication time of one step
+   touches; it minimizes the estimated time (communication, and compute) of one step
    (`jaxshard.cost.CostModel`) subject to memory at the peak equations at most the budget
    (rows added lazily until the layout's own peak fits), within the time limit. When no
    layout fits, it finds the smallest-memory one instead.
