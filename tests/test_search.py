@@ -360,3 +360,21 @@ def test_search_plans_its_storage_layouts_once(gpt, mesh, megatron, monkeypatch)
     states = [s for k, s in result.hints.items() if k.startswith("opt_state")]
     assert any("data" in jax.tree.leaves(tuple(s)) for s in states)  # ZeRO on "data"
     assert len(calls) <= 3
+
+
+def test_a_tight_budget_stores_parameters_on_the_batchs_axis(gpt, mesh, megatron):
+    # FSDP: below what tensor parallelism reaches, the MLP weights are stored on the
+    # axis the batch computes on (gathered at each use), their optimizer state alike
+    step, args = gpt
+    budget = 0.76 * megatron[1]
+    result = search_hints(step, args, {}, mesh, {}, memory_budget=budget)
+    assert result.memory_bytes <= budget
+    batch_axes = set(jax.tree.leaves(tuple(result.hints[re.escape("batch/tok")])))
+    w1 = result.hints[re.escape("params/layers/0/mlp/w1")]
+    assert batch_axes and batch_axes <= set(jax.tree.leaves(tuple(w1))), (batch_axes, w1)
+    assert result.hints[re.escape("opt_state/0/mu/layers/0/mlp/w1")] == w1
+    # the plan keeps the parameter stored apart: its argument layout is the stored one
+    plan = result.plan
+    v = plan.graph.in_vids[arg_names(step, args, {})[0].index("params/layers/0/mlp/w1")]
+    assert tuple(plan.dims[v]) == tuple(() if e is None else (e,) if isinstance(e, str)
+                                        else tuple(e) for e in w1)  # fmt: skip
