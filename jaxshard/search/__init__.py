@@ -68,8 +68,9 @@ def search_hints(
 ) -> SearchResult:
     """Choose PartitionSpecs for every argument leaf ``hints`` leave free.
 
-    Minimizes the estimated communication time of one call of ``fn`` under
-    ``cost_model`` (default `CostModel()`), keeping the estimated per-device memory at
+    Minimizes the estimated time of one call of ``fn`` under ``cost_model`` (default
+    `CostModel()`): its communication, plus its compute when the model has ``flops``
+    (then replicated work costs its share too), keeping the estimated per-device memory at
     most ``memory_budget`` bytes when given (else memory only breaks ties). Stops the
     solver after ``time_limit`` seconds of the whole search, returning the best layout
     found (``optimal=False``) with a `JaxshardWarning` that says so. ``progress``
