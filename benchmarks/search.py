@@ -21,8 +21,8 @@ Every model is an AdamW train step (`benchmarks.workloads`) with abstract argume
 the 2x4 (data, model) mesh, with only the batch hinted (``batch/.*: P('data')``). Rows:
 
 - *search, budget = Megatron*: `jaxshard.search.search_hints` with ``memory_budget`` set
-  to the Megatron layout's estimated per-device memory (`jaxshard.cost.memory_estimate`
-  of its plan): the least communication within what Megatron needs;
+  to the Megatron layout's estimated per-device memory (`estimated_memory` of its plan,
+  the search's own measure): the least communication within what Megatron needs;
 - *search, no budget*: the least communication, whatever the memory;
 - *search, budget = 0.85 x Megatron*: a layout that fits, or the error naming the
   smallest footprint;
@@ -63,6 +63,7 @@ import benchmarks  # noqa: E402, F401  (sets the simulated device count before J
 import jaxshard  # noqa: E402
 from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes  # noqa: E402
 from jaxshard.plan import dead_apps, mesh_axis_sizes  # noqa: E402
+from jaxshard.search.memory import fused_liveness  # noqa: E402
 from jaxshard.trace import arg_names  # noqa: E402
 from jaxshard.verify import compiled_collectives  # noqa: E402
 
@@ -127,8 +128,11 @@ def reference_hints(w: Workload, layout: layouts.Layout, mesh) -> dict[str, P]:
 
 
 def estimated_memory(plan) -> float:
+    """A plan's per-device memory as the search counts it (`jaxshard.cost.memory_estimate`
+    over the buffers XLA's fusion leaves, `jaxshard.search.memory.fused_liveness`): the
+    unit of ``memory_budget``."""
     g = plan.graph
-    live = liveness(g, dead_apps(g))
+    live = fused_liveness(g, liveness(g, dead_apps(g)))
     return memory_estimate(g, plan.dims, plan.axis_sizes, plan.out_dims, live).total
 
 
