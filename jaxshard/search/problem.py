@@ -40,12 +40,11 @@ _LAYER_INDEX = re.compile(r"(?<=/)\d+(?=/|$)")
 US = 1e6  # the objective is in microseconds
 MEMORY_TIEBREAK = 1e-9  # objective units per byte: 1 GB of memory weighs 1 µs
 _EXTRA_TIEBREAK = 1e-2  # µs per leaf stored with an extra axis
-# Storing a parameter itself on an extra axis (FSDP, with its optimizer state) is a
-# candidate next to storing only the optimizer state there (ZeRO-1). Its gathered copy is
-# counted alive from the parameter's first use to its last (XLA keeps it through the
-# backward pass), and planning takes the search's storage decision as it is
-# (`jaxshard.plan.plan_from_graph`'s ``storage``).
-_SHARD_PARAMETERS = True
+# What an extra storage axis holds: the optimizer state alone (ZeRO-1), or the parameter
+# with its state (FSDP). An FSDP parameter's gathered copy is counted alive from its first
+# use to its last (XLA keeps it through the backward pass), and planning takes the
+# search's storage decision as it is (`jaxshard.plan.plan_from_graph`'s ``storage``).
+_SCOPES = ("state", "all")
 
 
 @dataclass
@@ -307,7 +306,6 @@ class Problem(MemoryModel):
         self.n_class_decisions = len(self.decisions)
         if self.budget is not None:  # an extra storage axis per group, for memory
             total = sum(self._leaf_bytes(i) for i in self.leaf_group)
-            scopes = ("state", "all") if _SHARD_PARAMETERS else ("state",)
             # one mesh axis, or all of them (ZeRO-3 over the whole mesh, when the batch
             # takes every axis)
             storage_axes = [(a,) for a, n in self.sizes.items() if n > 1]
@@ -324,7 +322,7 @@ class Problem(MemoryModel):
                 for d, s in enumerate(shape):
                     if not any(p is not None and p[d] is not None for p in pins):
                         cands += [
-                            (d, axes, scope) for scope in scopes
+                            (d, axes, scope) for scope in _SCOPES
                             if (scope == "state" and grp.followers)
                             or (scope == "all" and gatherable)
                             for axes in storage_axes
