@@ -14,6 +14,9 @@ parameter (`opt_state_specs`).
 - ``fsdp(megatron)``: Megatron plus ZeRO-3/FSDP: every weight of rank >= 2 is also split
   on "data" along its largest dim that is still unsharded and divisible (never the
   stacked layer dim of a scanned model).
+- ``zero3``: ZeRO-3 over the given axes (all of them: the whole mesh): every leaf of
+  rank >= 1 split on its largest dim the axes' product divides (never a scanned layer
+  dim), the batch over the same axes; nothing tensor parallel.
 - ``expert_parallel``: for the MoE, the experts dim of the expert weights on "model"
   (on "data" when the mesh has no "model" axis, GShard-style), the rest replicated.
 """
@@ -155,6 +158,40 @@ def fsdp(base: Layout, model: str) -> Layout:
             return P(*entries)
 
         return jax.tree_util.tree_map_with_path(add, params, base_specs)
+
+    return layout
+
+
+def zero3(model: str, axes: tuple[str, ...] | None = None) -> Layout:
+    """ZeRO-3 over ``axes`` (default: every mesh axis, major to minor): each leaf split
+    on its largest dim (never a scanned layer dim) that the axes' product divides; a leaf
+    with no such dim stays replicated. Use with the batch on the same axes.
+
+    Example:
+        >>> params = {"head": jax.ShapeDtypeStruct((8, 16), "float32"),
+        ...           "b": jax.ShapeDtypeStruct((3,), "float32")}
+        >>> zero3("gpt")(params, {"data": 2, "model": 4})
+        {'b': P(), 'head': P(None, ('data', 'model'))}
+    """
+    stacked = STACKED.get(model)
+
+    def layout(params: Any, axis_sizes: Mapping[str, int]) -> Specs:
+        over = tuple(axes or axis_sizes)
+        n = 1
+        for a in over:
+            n *= axis_sizes[a]
+
+        def spec(path, leaf):
+            shape = leaf.shape
+            skip = {0} if stacked and re.fullmatch(stacked, _path(path)) else set()
+            free = [d for d in range(len(shape)) if d not in skip and shape[d] % n == 0]
+            if not free:
+                return P()
+            entries: list[Any] = [None] * len(shape)
+            entries[max(free, key=lambda d: shape[d])] = over if len(over) > 1 else over[0]
+            return P(*entries)
+
+        return jax.tree_util.tree_map_with_path(spec, params)
 
     return layout
 

@@ -139,13 +139,15 @@ def _shardy_alone(w: Workload, mesh, hints) -> Built:
     )
 
 
-def expert_layout(w: Workload, mesh, layout: layouts.Layout) -> Built:
+def expert_layout(w: Workload, mesh, layout: layouts.Layout, batch_spec: P | None = None) -> Built:
     """A hand-written layout (`benchmarks.layouts`) as `jax.jit` in/out shardings, the batch
-    on "data" and the AdamW state like its parameter, compiled."""
+    on ``batch_spec`` (default ``P("data")``) and the AdamW state like its parameter,
+    compiled."""
+    batch_spec = P("data") if batch_spec is None else batch_spec
     params, opt_state, batch = w.args
     param_specs = layout(params, mesh_axis_sizes(mesh))
     opt_specs = layouts.opt_state_specs(opt_state, params, param_specs)
-    batch_specs = jax.tree.map(lambda _: P("data"), batch)
+    batch_specs = jax.tree.map(lambda _: batch_spec, batch)
     return _jit(w, mesh, (param_specs, opt_specs, batch_specs), (param_specs, opt_specs, P()))
 
 

@@ -3,13 +3,26 @@
     python -m benchmarks.search                  # GPT 12 and 48 layers, Llama-scan, MoE
     python -m benchmarks.search --quick          # the examples' tiny models (a smoke run)
     python -m benchmarks.search --compile-large  # also compile the 48-layer GPT (minutes)
+    python -m benchmarks.search --targets        # only the memory-bound targets table
+
+*Targets* (first table; `targets`): the 12-layer GPT (d 768, seq 256, batch 16) on the
+2x4 mesh against two hand layouts compiled by `jax.jit` with full in/out shardings
+(`benchmarks.quality.expert_layout`): *Megatron TP + DP* and *ZeRO-3 over all devices*
+(`benchmarks.layouts.zero3`: the batch over (data, model), every leaf split 8 ways).
+Target (a): the batch hint only, ``memory_budget`` = Megatron's compiled memory; the
+plan's compiled collective bytes at most 1.0x Megatron's, memory at most 1.05x, search
+under 10 s. Target (b): no hints, ``cost_model=CostModel(default_bandwidth=1e11,
+flops=1e14)``, ``memory_budget`` = 0.85x Megatron's compiled memory; compiled memory at
+most 0.9x Megatron's and modeled step time (per-device flops / 1e14 + ring bytes / 1e11,
+both read from the compiled program: ``compiled.cost_analysis()['flops']`` and
+`benchmarks.hlo.collective_stats`) at most ZeRO-3's, search under 20 s.
 
 Every model is an AdamW train step (`benchmarks.workloads`) with abstract arguments, on
 the 2x4 (data, model) mesh, with only the batch hinted (``batch/.*: P('data')``). Rows:
 
 - *search, budget = Megatron*: `jaxshard.search.search_hints` with ``memory_budget`` set
-  to the Megatron layout's estimated per-device memory (`jaxshard.cost.memory_estimate`
-  of its plan): the least communication within what Megatron needs;
+  to the Megatron layout's estimated per-device memory (`estimated_memory` of its plan,
+  the search's own measure): the least communication within what Megatron needs;
 - *search, no budget*: the least communication, whatever the memory;
 - *search, budget = 0.85 x Megatron*: a layout that fits, or the error naming the
   smallest footprint;
@@ -48,8 +61,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import benchmarks  # noqa: E402, F401  (sets the simulated device count before JAX loads)
 import jaxshard  # noqa: E402
-from jaxshard.cost import liveness, memory_estimate, step_bytes  # noqa: E402
+from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes  # noqa: E402
 from jaxshard.plan import dead_apps, mesh_axis_sizes  # noqa: E402
+from jaxshard.search.memory import fused_liveness  # noqa: E402
 from jaxshard.trace import arg_names  # noqa: E402
 from jaxshard.verify import compiled_collectives  # noqa: E402
 
@@ -72,7 +86,15 @@ class Row:
     operands: float | None = None
     memory: float | None = None
     optimal: bool | None = None
+    flops: float | None = None  # per device, from compiled.cost_analysis()
     note: str = ""
+
+    def step_time(self, flops_per_s: float, bandwidth: float) -> float | None:
+        """Modeled seconds per step: per-device flops at ``flops_per_s`` plus the ring
+        bytes at ``bandwidth`` (both read from the compiled program)."""
+        if self.flops is None or self.ring is None:
+            return None
+        return self.flops / flops_per_s + self.ring / bandwidth
 
 
 def workloads(quick: bool) -> list[tuple[Workload, bool]]:
@@ -106,16 +128,28 @@ def reference_hints(w: Workload, layout: layouts.Layout, mesh) -> dict[str, P]:
 
 
 def estimated_memory(plan) -> float:
+    """A plan's per-device memory as the search counts it (`jaxshard.cost.memory_estimate`
+    over the buffers XLA's fusion leaves, `jaxshard.search.memory.fused_liveness`): the
+    unit of ``memory_budget``."""
     g = plan.graph
-    live = liveness(g, dead_apps(g))
+    live = fused_liveness(g, liveness(g, dead_apps(g)))
     return memory_estimate(g, plan.dims, plan.axis_sizes, plan.out_dims, live).total
 
 
 def measure_compiled(row: Row, w: Workload, step: jaxshard.AutoShard) -> None:
-    compiled = step.lower(*w.args).compile()
+    """Fill ``row``'s compiled columns from ``step`` compiled on ``w``'s arguments."""
+    measure(row, step.lower(*w.args).compile(), step.mesh)
+
+
+def measure(row: Row, compiled, mesh) -> None:
+    """Fill ``row``'s compiled columns (ring and operand bytes, memory, flops) from a
+    program compiled on ``mesh``."""
     text = compiled.as_text()
-    row.ring = collective_stats(text, step.mesh.size).ring_bytes
-    row.operands = sum(c.bytes for c in compiled_collectives(text, step.mesh))
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    row.flops = cost.get("flops") if cost else None
+    row.ring = collective_stats(text, mesh.size).ring_bytes
+    row.operands = sum(c.bytes for c in compiled_collectives(text, mesh))
     mem = compiled.memory_analysis()
     if mem is not None:
         row.memory = (
@@ -135,9 +169,11 @@ def reference_row(label, w, mesh, layout, compile_it) -> tuple[Row, float]:
     return row, row.estimated_memory
 
 
-def search_row(label, w, mesh, budget, compile_it, log) -> Row:
+def search_row(label, w, mesh, budget, compile_it, log, hints=BATCH, cost_model=None) -> Row:
     row = Row(label)
-    step = jaxshard.auto_shard(mesh, BATCH, search=True, memory_budget=budget)(w.step)
+    step = jaxshard.auto_shard(
+        mesh, hints, search=True, memory_budget=budget, cost_model=cost_model
+    )(w.step)
     t0 = time.perf_counter()
     try:
         step.plan(*w.args)
@@ -177,9 +213,92 @@ def _summary(hints: dict[str, P]) -> str:
     return text
 
 
+# --- the memory-bound targets -----------------------------------------------------------
+
+TARGET_GPT = dict(n_layers=12, d_model=768, n_heads=12, d_ff=3072, seq=256, vocab=8192)
+TARGET_FLOPS, TARGET_BANDWIDTH = 1e14, 1e11  # per device: FLOP/s, bytes/s
+
+
+def hand_row(label: str, w: Workload, mesh, layout: layouts.Layout, batch: P) -> Row:
+    """A hand layout compiled by `jax.jit` with full in/out shardings."""
+    from .quality import expert_layout  # quality imports this module
+
+    row = Row(label)
+    measure(row, expert_layout(w, mesh, layout, batch).compiled, mesh)
+    return row
+
+
+def targets(log=print, quick: bool = False) -> str:
+    """The memory-bound targets table (see the module docstring); ``quick``: the tiny
+    GPT, for a smoke run."""
+    mesh = meshes()["2x4 (data, model)"]
+    cfg = models.GPTConfig() if quick else models.GPTConfig(**TARGET_GPT)
+    w = workload("GPT 12L, seq 256" if not quick else "GPT (tiny)", "gpt", cfg, 16)
+    log(f"[search targets] {w.describe()}")
+    megatron = hand_row("Megatron TP + DP (jax.jit)", w, mesh, layouts.megatron("gpt"), P("data"))
+    zero3 = hand_row(
+        "ZeRO-3 over all devices (jax.jit)", w, mesh, layouts.zero3("gpt"), P(("data", "model"))
+    )  # fmt: skip
+    cost_model = CostModel(default_bandwidth=TARGET_BANDWIDTH, flops=TARGET_FLOPS)
+    a = search_row("(a) search: batch hint, budget = Megatron", w, mesh, megatron.memory,
+                   True, log)  # fmt: skip
+    b = search_row(
+        "(b) search: no hints, flops cost model, budget = 0.85 x Megatron", w, mesh,
+        0.85 * megatron.memory, True, log, hints={}, cost_model=cost_model,
+    )  # fmt: skip
+    t_zero3 = zero3.step_time(TARGET_FLOPS, TARGET_BANDWIDTH)
+    verdicts = {id(a): _verdict_a(a, megatron), id(b): _verdict_b(b, megatron, t_zero3)}
+    head = (
+        f"\n### Targets: {w.describe()}, 2x4 (data, model)\n\n"
+        "Modeled step = per-device flops / 1e14 + compiled ring bytes / 1e11 (both from the "
+        "compiled program).\n\n"
+        "| layout | search s | compiled ring MiB | memory MiB (compiled) | GFLOP per device | "
+        "modeled step ms | vs Megatron: bytes, memory | target | notes |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in (a, b, megatron, zero3):
+        t = r.step_time(TARGET_FLOPS, TARGET_BANDWIDTH)
+        versus = "—"
+        if r.ring is not None and r.memory:
+            versus = f"{r.ring / megatron.ring:.2f}x, {r.memory / megatron.memory:.2f}x"
+        secs = "—" if r.search_s is None else f"{r.search_s:.1f}"
+        secs += "" if r.optimal in (None, True) else " (time limit)"
+        gflop = "—" if r.flops is None else f"{r.flops / 1e9:.1f}"
+        lines.append(
+            f"| {r.layout} | {secs} | {_mib(r.ring)} | {_mib(r.memory)} | {gflop} | "
+            f"{'—' if t is None else f'{t * 1e3:.2f}'} | {versus} | {verdicts.get(id(r), '')} | "
+            f"{r.note} |"
+        )
+    text = head + "\n".join(lines) + "\n"
+    log(text)
+    return text
+
+
+def _verdict_a(r: Row, megatron: Row) -> str:
+    if r.ring is None or r.memory is None:
+        return "**missed** (no plan)"
+    ok = [r.ring <= megatron.ring, r.memory <= 1.05 * megatron.memory, r.search_s < 10]
+    what = "bytes <= 1.0x, memory <= 1.05x, < 10 s"
+    return ("met" if all(ok) else "**missed**") + f": {what}: " + ", ".join(map(_yes, ok))
+
+
+def _verdict_b(r: Row, megatron: Row, t_zero3: float | None) -> str:
+    t = r.step_time(TARGET_FLOPS, TARGET_BANDWIDTH)
+    if t is None or r.memory is None or t_zero3 is None:
+        return "**missed** (no plan)"
+    ok = [r.memory <= 0.9 * megatron.memory, t <= t_zero3, r.search_s < 20]
+    what = "memory <= 0.9x Megatron, step <= ZeRO-3's, < 20 s"
+    return ("met" if all(ok) else "**missed**") + f": {what}: " + ", ".join(map(_yes, ok))
+
+
+def _yes(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
+
 def run(quick: bool = False, compile_large: bool = False, log=print) -> str:
     mesh = meshes()["2x4 (data, model)"]
-    tables = []
+    tables = [targets(log, quick)]
     for w, compile_it in workloads(quick):
         compile_it = compile_it or compile_large
         log(f"[search] {w.describe()}")
@@ -240,9 +359,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the examples' tiny models")
     parser.add_argument("--compile-large", action="store_true", help="compile the 48-layer GPT")
+    parser.add_argument("--targets", action="store_true", help="only the targets table")
     parser.add_argument("--out", help="also write the tables to this markdown file")
     args = parser.parse_args()
-    text = run(args.quick, args.compile_large)
+    text = targets(quick=args.quick) if args.targets else run(args.quick, args.compile_large)
     if args.out:
         with open(args.out, "w") as f:
             f.write("# Search against hand-written layouts\n" + text)

@@ -571,24 +571,33 @@ def plan_from_graph(
     mesh: Mesh,
     hints: Mapping[str, PartitionSpec] | None = None,
     cost_model: CostModel | None = None,
+    storage: Mapping[int, bool] | None = None,
 ) -> Plan:
     """Propagate hints over an already built graph and decide what is left (no tracing):
     the planning half of `make_plan`, for callers that plan one graph several times.
 
     A hint that `split_storage` reads as a storage layout is also planned with its axes
     on the computation (expert parallelism puts the experts dim on the batch's axis on
-    purpose); the plan that moves fewer bytes is kept.
+    purpose); the plan that moves fewer bytes is kept. ``storage`` maps value ids whose
+    choice the caller has priced itself to it (True: a storage layout, False: on the
+    computation); they are not tried (the search's hints name one leaf each: trying
+    them would re-plan once per leaf).
 
     Example:
         >>> plan = plan_from_graph(traced, graph, mesh, {"x": P("data")})  # doctest: +SKIP
     """
     sizes = mesh_axis_sizes(mesh)
     pins = hint_pins(traced, graph, hints or {}, sizes)
+    decided = storage or {}
     compute, storage = split_storage(pins, graph)
+    for vid in [v for v in storage if decided.get(v) is False]:
+        compute[vid] = pins[vid]
+        del storage[vid]
     plan = decide(traced, graph, propagate_pins(graph, sizes, compute, storage, cost_model), mesh)
     groups: dict[str, list[int]] = {}  # storage pins by the hint that made them
     for vid in storage:
-        groups.setdefault(pins[vid].source, []).append(vid)
+        if vid not in decided:
+            groups.setdefault(pins[vid].source, []).append(vid)
     for vids in groups.values():  # this hint's axes on the computation instead?
         trial_compute = {**compute, **{v: pins[v] for v in vids}}
         trial_storage = {v: p for v, p in storage.items() if v not in vids}

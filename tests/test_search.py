@@ -20,6 +20,7 @@ import jaxshard
 from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes
 from jaxshard.plan import dead_apps
 from jaxshard.search import group_key, search_hints, solver
+from jaxshard.search.memory import fused_liveness
 from jaxshard.trace import arg_names
 
 BATCH = {r"batch/.*": P("data")}
@@ -59,8 +60,10 @@ def exact_hints(step, args, rules):
 
 
 def footprint(plan):
+    """A plan's memory as the search counts it (buffers as XLA's fusion leaves them)."""
     g = plan.graph
-    return memory_estimate(g, plan.dims, plan.axis_sizes, plan.out_dims, liveness(g, dead_apps(g)))
+    live = fused_liveness(g, liveness(g, dead_apps(g)))
+    return memory_estimate(g, plan.dims, plan.axis_sizes, plan.out_dims, live)
 
 
 @pytest.fixture(scope="module")
@@ -304,3 +307,74 @@ def test_memory_counts_the_largest_live_set():
     half = memory_estimate(g, [[("data",), ()] if len(s) == 2 else [] for s in g.shapes],
                            {"data": 2})  # fmt: skip
     assert half.arguments == 64 and half.activations == 3 * 64
+
+
+# --- the memory-bound space: compute in the objective, the batch over several axes ---
+
+COMPUTE_BOUND = CostModel(default_bandwidth=1e11, flops=1e9)  # compute outweighs comm
+
+
+def test_without_flops_replicated_compute_is_free(gpt, mesh):
+    # communication alone: nothing sharded moves nothing, so the search shards nothing
+    step, args = gpt
+    result = search_hints(step, args, {}, mesh, {}, cost_model=CostModel(default_bandwidth=1e11))
+    assert result.estimated_seconds == 0.0
+    assert all(s == P(*([None] * len(s))) for s in result.hints.values())
+
+
+@pytest.mark.parametrize(
+    "hints", [{}, {r"batch/.*": P(P.UNCONSTRAINED)}], ids=["no hints", "batch unconstrained"]
+)
+def test_flops_put_an_unhinted_batch_over_every_axis(gpt, mesh, hints):
+    # with compute priced, replicated work costs 8x: data parallel over the whole mesh
+    step, args = gpt
+    result = search_hints(step, args, {}, mesh, hints, cost_model=COMPUTE_BOUND)
+    assert result.hints[re.escape("batch/tok")] == P(("data", "model"), None)
+    assert result.hints[re.escape("batch/tgt")] == P(("data", "model"), None)
+    assert "communication + compute" in result.explanation
+
+
+def test_a_hinted_batch_keeps_its_axes(gpt, mesh):
+    step, args = gpt
+    result = search_hints(step, args, {}, mesh, BATCH, cost_model=COMPUTE_BOUND)
+    plan = result.plan
+    tok = plan.graph.in_vids[arg_names(step, args, {})[0].index("batch/tok")]
+    assert plan.dims[tok][0] == ("data",)
+
+
+def test_search_plans_its_storage_layouts_once(gpt, mesh, megatron, monkeypatch):
+    # the search prices which leaves are stored apart: planning does not retry each
+    # searched leaf's storage layout on the computation (one propagation per layout)
+    import jaxshard.plan as plan_module
+
+    calls = []
+    propagate = plan_module.propagate_pins
+
+    def spy(*a, **k):
+        calls.append(1)
+        return propagate(*a, **k)
+
+    monkeypatch.setattr(plan_module, "propagate_pins", spy)
+    step, args = gpt
+    result = search_hints(step, args, {}, mesh, BATCH, memory_budget=0.97 * megatron[1])
+    states = [s for k, s in result.hints.items() if k.startswith("opt_state")]
+    assert any("data" in jax.tree.leaves(tuple(s)) for s in states)  # ZeRO on "data"
+    assert len(calls) <= 3
+
+
+def test_a_tight_budget_stores_parameters_on_the_batchs_axis(gpt, mesh, megatron):
+    # FSDP: below what tensor parallelism reaches, the MLP weights are stored on the
+    # axis the batch computes on (gathered at each use), their optimizer state alike
+    step, args = gpt
+    budget = 0.76 * megatron[1]
+    result = search_hints(step, args, {}, mesh, {}, memory_budget=budget)
+    assert result.memory_bytes <= budget
+    batch_axes = set(jax.tree.leaves(tuple(result.hints[re.escape("batch/tok")])))
+    w1 = result.hints[re.escape("params/layers/0/mlp/w1")]
+    assert batch_axes and batch_axes <= set(jax.tree.leaves(tuple(w1))), (batch_axes, w1)
+    assert result.hints[re.escape("opt_state/0/mu/layers/0/mlp/w1")] == w1
+    # the plan keeps the parameter stored apart: its argument layout is the stored one
+    plan = result.plan
+    v = plan.graph.in_vids[arg_names(step, args, {})[0].index("params/layers/0/mlp/w1")]
+    assert tuple(plan.dims[v]) == tuple(() if e is None else (e,) if isinstance(e, str)
+                                        else tuple(e) for e in w1)  # fmt: skip

@@ -10,17 +10,24 @@ Outline, module by module:
    replicated. Repeated layers share decisions: arguments are grouped by their path with
    layer indices as ``*`` (``params/layers/*/attn/wq``) and shape, optimizer state joins
    the parameter whose path ends its own. With a memory budget each group may also store
-   an extra mesh axis on a free dim (ZeRO), gathered where it is used. Each decision picks
-   one candidate (unsharded, or one mesh axis dividing all its sizes); costs come from the
-   rules (a sharded reduction factor leaves its results partial: an all-reduce; a sharded
-   need-replication factor gathers its operands; one axis may not shard two dims), and
+   an extra mesh axis (or the whole mesh) on a free dim: its optimizer state alone
+   (ZeRO-1), or, for a parameter every use of which contracts it, the parameter with its
+   state (FSDP/ZeRO-3: gathered at each use, the gathered copy alive from the first use
+   to the last). Each decision picks one candidate (unsharded, or one mesh axis dividing
+   all its sizes; a class holding a data argument's dim, the unhinted batch, may also
+   take every axis at once); costs come from the rules (a sharded reduction factor leaves
+   its results partial: an all-reduce; a sharded need-replication factor gathers its
+   operands; one axis may not shard two dims; with ``CostModel(flops=...)`` each
+   equation's FLOPs over the devices that split it), and
    equations with the same rule and decisions count once with their multiplicity, so a
    48-layer model costs little more than a 12-layer one.
 2. `memory` prices per-device memory (a mixin of the problem): arguments, results and the
-   live activations at an equation, per joint choice of the decisions they depend on.
+   live activations at an equation, per joint choice of the decisions they depend on;
+   buffers are counted as XLA's fusion leaves them (`memory.fused_liveness`), so that a
+   budget compares with the compiled program's memory.
 3. `solver` writes the integer program for HiGHS (``highspy``): a one-hot variable per
    decision candidate and one per joint choice of the decisions an equation or tensor
-   touches; it minimizes the estimated communication time of one step
+   touches; it minimizes the estimated time (communication, and compute) of one step
    (`jaxshard.cost.CostModel`) subject to memory at the peak equations at most the budget
    (rows added lazily until the layout's own peak fits), within the time limit. When no
    layout fits, it finds the smallest-memory one instead.
@@ -37,7 +44,7 @@ from collections.abc import Callable, Mapping
 
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxshard.cost import CostModel, MemoryEstimate, human_bytes, memory_estimate, step_bytes
+from jaxshard.cost import CostModel, MemoryEstimate, human_bytes, step_bytes
 from jaxshard.errors import warn
 from jaxshard.plan import Plan, gc_paused, plan_from_graph, trace_graph
 from jaxshard.search.problem import US, Problem, group_key
@@ -61,8 +68,9 @@ def search_hints(
 ) -> SearchResult:
     """Choose PartitionSpecs for every argument leaf ``hints`` leave free.
 
-    Minimizes the estimated communication time of one call of ``fn`` under
-    ``cost_model`` (default `CostModel()`), keeping the estimated per-device memory at
+    Minimizes the estimated time of one call of ``fn`` under ``cost_model`` (default
+    `CostModel()`): its communication, plus its compute when the model has ``flops``
+    (then replicated work costs its share too), keeping the estimated per-device memory at
     most ``memory_budget`` bytes when given (else memory only breaks ties). Stops the
     solver after ``time_limit`` seconds of the whole search, returning the best layout
     found (``optimal=False``) with a `JaxshardWarning` that says so. ``progress``
@@ -98,11 +106,18 @@ def search_hints(
         )
         tried: list[tuple[MemoryEstimate, Plan, dict[int, int]]] = []
 
+        # the search priced its leaves' layouts: a parameter stored on an extra axis is
+        # gathered at its uses, the rest (optimizer state too) is the computation's layout
+        def storage(choice):
+            return {graph.in_vids[i]: problem.stored_apart(i, choice) for i in problem.leaf_group}
+
         def propagated(choice):
             chosen = problem.hints_for(choice)
             searched = {**hints, **chosen}
-            plan = plan_from_graph(traced, graph, mesh, searched, problem.cost_model)
-            memory = memory_estimate(graph, plan.dims, plan.axis_sizes, plan.out_dims, problem.live)
+            plan = plan_from_graph(
+                traced, graph, mesh, searched, problem.cost_model, storage=storage(choice)
+            )
+            memory = problem.estimate(plan.dims, plan.out_dims, choice)
             tried.append((memory, plan, choice))
             return plan, memory
 

@@ -8,7 +8,67 @@ import math
 
 import numpy as np
 
-from jaxshard.cost import MemoryEstimate, memory_estimate, nbytes
+from jaxshard.cost import Liveness, MemoryEstimate, memory_estimate, nbytes, per_device_bytes
+from jaxshard.rule import FactorKind
+
+
+def fused_liveness(graph, live: Liveness, extend: bool = True) -> Liveness:
+    """``live`` less the buffers XLA's fusion never makes: a value an elementwise
+    equation computes and only elementwise equations read is recomputed inside its
+    readers' fusions, not stored (the backward pass reads such residuals of the
+    forward's elementwise chains, say a layer norm's centred input, from their
+    operands). With ``extend`` those operands stay alive until the fused value's last
+    reader, as the recomputation needs them.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.cost import liveness
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> g = build_graph(trace(lambda x: jnp.sum(jnp.sin(jnp.cos(x)) * 2), (jnp.ones(4),), {}), {})
+        >>> len(liveness(g).intermediates), len(fused_liveness(g, liveness(g)).intermediates)
+        (3, 1)
+    """
+    owner = live.owner
+    producer: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    for a, app in enumerate(graph.apps):
+        if app.kind != "eqn":
+            continue
+        for v in app.results:
+            producer.setdefault(owner[v], a)
+        for v in app.operands:
+            readers.setdefault(owner[v], []).append(a)
+    elementwise: dict[int, bool] = {}
+
+    def is_elementwise(a: int) -> bool:
+        hit = elementwise.get(a)
+        if hit is None:
+            app = graph.apps[a]
+            shape = graph.shapes[app.results[0]] if app.results else None
+            hit = elementwise[a] = (
+                app.kind == "eqn"
+                and all(f.kind is FactorKind.PASS for f in app.rule.factors)
+                and all(graph.shapes[u] in (shape, ()) for u in app.operands)
+            )
+        return hit
+
+    fused = [
+        int(v) for v in live.intermediates
+        if int(v) in producer and is_elementwise(producer[int(v)])
+        and all(is_elementwise(r) for r in readers.get(int(v), ()))
+    ]  # fmt: skip
+    if not fused:
+        return live
+    end = live.end.copy()
+    if extend:  # later fused values first: their operands may be fused values too
+        for v in sorted(fused, key=lambda v: -producer[v]):
+            for u in graph.apps[producer[v]].operands:
+                o = owner[u]
+                if end[o] >= 0 and end[v] > end[o]:
+                    end[o] = end[v]
+    kept = np.setdiff1d(live.intermediates, np.array(fused, dtype=np.int64))
+    return Liveness(owner, live.start, end, kept)
 
 
 class MemoryModel:
@@ -42,6 +102,17 @@ class MemoryModel:
             for n, choice in self._combos(term):
                 shards = math.prod(self.sizes[a] for r in refs for a in self.axes(r, choice))
                 row[n] += size / shards
+        # a parameter stored apart (FSDP) is gathered for its uses, and XLA keeps the
+        # gathered copy from the forward's use to the backward's
+        for i, (first, last) in self.gathered_span.items():
+            if first <= t <= last:
+                k = self.leaf_group[i]
+                leaves = (*self.groups[k].owners, *self.groups[k].followers)
+                free = {r for j in leaves for r in self.refs(g.in_vids[j]) if r >= 0}
+                term = self._term({*free, self.groups[k].extra})
+                row = rows.setdefault(term.decisions, np.zeros(len(term.time)))
+                for n, choice in self._combos(term):
+                    row[n] += self.gathered_bytes(i, choice)
         return const, rows
 
     def _static_memory(self) -> float:
@@ -77,4 +148,29 @@ class MemoryModel:
         out_dims = [dims[v] for v in g.out_vids]
         for i, o in g.ties:
             out_dims[o] = dims[g.in_vids[i]]
-        return memory_estimate(g, dims, self.sizes, out_dims, self.live)
+        return self.estimate(dims, out_dims, choice)
+
+    def estimate(self, dims, out_dims, choice) -> MemoryEstimate:
+        """`jaxshard.cost.memory_estimate` of a layout of every value, plus the gathered
+        copies of the parameters the choice stores apart (FSDP), alive from their first
+        use to their last."""
+        base = memory_estimate(self.graph, dims, self.sizes, out_dims, self.live)
+        spans = [(span, self.gathered_bytes(i, choice)) for i, span in self.gathered_span.items()]
+        spans = [(span, b) for span, b in spans if b]
+        if not spans:
+            return base
+        live, n_apps = self.live, len(self.graph.apps)
+        sizes = np.array(
+            [per_device_bytes(self.graph.shapes[v], self.graph.dtypes[v], dims[v], self.sizes)
+             for v in live.intermediates],
+            dtype=np.float64,
+        )  # fmt: skip
+        delta = np.zeros(n_apps + 1)
+        np.add.at(delta, live.start[live.intermediates], sizes)
+        np.add.at(delta, live.end[live.intermediates] + 1, -sizes)
+        for (first, last), b in spans:
+            delta[first] += b
+            delta[last + 1] -= b
+        curve = np.cumsum(delta)[:n_apps]
+        peak = int(np.argmax(curve))
+        return MemoryEstimate(base.arguments, base.results, int(curve[peak]), peak)

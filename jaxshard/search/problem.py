@@ -34,21 +34,17 @@ from jaxshard.plan import (
     mesh_axis_sizes,
 )
 from jaxshard.rule import FactorKind
-from jaxshard.search.memory import MemoryModel
+from jaxshard.search.memory import MemoryModel, fused_liveness
 
 _LAYER_INDEX = re.compile(r"(?<=/)\d+(?=/|$)")
 US = 1e6  # the objective is in microseconds
 MEMORY_TIEBREAK = 1e-9  # objective units per byte: 1 GB of memory weighs 1 µs
 _EXTRA_TIEBREAK = 1e-2  # µs per leaf stored with an extra axis
-# Storing a parameter itself on an extra axis (FSDP) is modeled, but off. Propagation now
-# keeps such a stored axis out of the activations (`jaxshard.plan.split_storage`), but
-# the model still misjudges what XLA compiles from it: on a 2-layer GPT (d 256, 2x4,
-# batch hint) with the Megatron layout's memory as the budget, turning it on gives 1.45x
-# Megatron's compiled bytes at 0.84x its memory (the Megatron layout itself fits), and
-# at 0.85x the budget the plan compiles to 1.04x Megatron's memory (XLA keeps gathered
-# parameters live through the backward pass). The optimizer state alone (ZeRO-1)
-# propagates and compiles as modeled.
-_SHARD_PARAMETERS = False
+# What an extra storage axis holds: the optimizer state alone (ZeRO-1), or the parameter
+# with its state (FSDP). An FSDP parameter's gathered copy is counted alive from its first
+# use to its last (XLA keeps it through the backward pass), and planning takes the
+# search's storage decision as it is (`jaxshard.plan.plan_from_graph`'s ``storage``).
+_SCOPES = ("state", "all")
 
 
 @dataclass
@@ -135,9 +131,16 @@ class Problem(MemoryModel):
         self.sizes = mesh_axis_sizes(mesh)
         self.cost_model, self.budget = cost_model, memory_budget
         self.dead = dead_apps(graph)
-        self.live: Liveness = liveness(graph, self.dead)
+        # buffers as XLA's fusion leaves them: the budget is compared with what the
+        # compiled program allocates
+        self.live: Liveness = fused_liveness(graph, liveness(graph, self.dead))
         self.user_budget = memory_budget
         self._pins(hints)
+        self._readers: dict[int, list[int]] = {}
+        for a, app in enumerate(graph.apps):
+            if a not in self.dead and app.kind == "eqn":
+                for u in app.operands:
+                    self._readers.setdefault(u, []).append(a)
         self._classes()
         self._groups()
         self._decide()
@@ -286,32 +289,66 @@ class Problem(MemoryModel):
                 self.ref[k] = dec
             else:
                 self.ref[k] = -1
+        # a class holding a dim of a data argument (not state the step returns: the
+        # batch) may also take every mesh axis at once, major to minor (data parallel
+        # over the whole mesh); for state, one axis per dim keeps the program small
+        data_classes = {
+            k for k, ms in members.items() if any(i not in self.tied for i in self._leaves_of(ms))
+        }
+        multi = tuple(a for a, n in self.sizes.items() if n > 1)
         for dec, size in divides.items():
             self.decisions[dec].candidates += [
                 (a,) for a, n in self.sizes.items() if n > 1 and size % n == 0
             ]
+            if len(multi) > 1 and size % math.prod(self.sizes[a] for a in multi) == 0:
+                if any(self.ref.get(k) == dec for k in data_classes):
+                    self.decisions[dec].candidates.append(multi)
         self.n_class_decisions = len(self.decisions)
         if self.budget is not None:  # an extra storage axis per group, for memory
             total = sum(self._leaf_bytes(i) for i in self.leaf_group)
-            scopes = ("state", "all") if _SHARD_PARAMETERS else ("state",)
+            # one mesh axis, or all of them (ZeRO-3 over the whole mesh, when the batch
+            # takes every axis)
+            storage_axes = [(a,) for a, n in self.sizes.items() if n > 1]
+            if len(multi) > 1:
+                storage_axes.append(multi)
             for grp in self.groups:
                 leaves = (*grp.owners, *grp.followers)
                 if sum(self._leaf_bytes(i) for i in leaves) < 1e-3 * total:
                     continue
                 shape = g.shapes[g.in_vids[grp.owners[0]]]
                 pins = [self.pins.get(g.in_vids[i]) for i in leaves]
+                gatherable = all(self._gathered_at_uses(i) for i in grp.owners)
                 cands: list[Any] = [None]
                 for d, s in enumerate(shape):
                     if not any(p is not None and p[d] is not None for p in pins):
                         cands += [
-                            (d, a, scope) for scope in scopes
-                            if grp.followers or scope == "all"
-                            for a, n in self.sizes.items() if n > 1 and s % n == 0
+                            (d, axes, scope) for scope in _SCOPES
+                            if (scope == "state" and grp.followers)
+                            or (scope == "all" and gatherable)
+                            for axes in storage_axes
+                            if s % math.prod(self.sizes[a] for a in axes) == 0
                         ]  # fmt: skip
                 if len(cands) > 1:
                     grp.extra = len(self.decisions)
                     self.decisions.append(Decision(f"{grp.key} extra axis", cands))
         self.followers = {i for grp in self.groups for i in grp.followers}
+
+    def _gathered_at_uses(self, i: int) -> bool:
+        """Whether argument leaf ``i`` can be stored apart (FSDP) as the model prices it:
+        state the step returns whose every compute use contracts it (a matmul gathers
+        its weight; a lookup table's gradient would scatter into the storage layout)."""
+        if i not in self.tied:
+            return False
+        uses = self._uses(self.graph.in_vids[i])
+        return bool(uses) and all(
+            any(f.kind is FactorKind.REDUCTION for f in self.graph.apps[a].rule.factors)
+            for a in uses
+        )
+
+    def _leaves_of(self, members) -> list[int]:
+        """The argument leaves of the groups in ``members`` ((group, dim) pairs)."""
+        return [i for k, _ in members for grp in (self.groups[k],)
+                for i in (*grp.owners, *grp.followers)]  # fmt: skip
 
     def _class_name(self, members: frozenset) -> str:
         k, d = min(members, key=lambda m: (self.groups[m[0]].key, m[1]))
@@ -332,14 +369,39 @@ class Problem(MemoryModel):
         if extra_dec is not None:
             extra = self.decisions[extra_dec].candidates[choice[extra_dec]]
             if extra is not None and (extra[2] == "all" or i in self.followers):
-                d, axis, _ = extra
-                if lay[d] or any(axis in x for x in lay):
+                d, axes, _ = extra
+                if lay[d] or any(a in x for x in lay for a in axes):
                     return None
-                lay[d] = (axis,)
+                lay[d] = axes
         pin = self.pins.get(v)
         if pin is not None:
             lay = [p if p is not None else x for p, x in zip(pin, lay)]
         return lay
+
+    def gathered_bytes(self, i: int, choice: Mapping[int, int]) -> float:
+        """Per-device bytes of parameter ``i`` gathered to its compute layout when the
+        choice stores it apart (FSDP), else 0."""
+        if not self.stored_apart(i, choice):
+            return 0.0
+        v = self.graph.in_vids[i]
+        lay = [self.axes(r, choice) for r in self.refs(v)]
+        pin = self.pins.get(v)
+        if pin is not None:
+            lay = [p if p is not None else x for p, x in zip(pin, lay)]
+        shards = math.prod(self.sizes[a] for x in lay for a in x)
+        return nbytes(self.graph.shapes[v], self.graph.dtypes[v]) / shards
+
+    def stored_apart(self, i: int, choice: Mapping[int, int]) -> bool:
+        """Whether argument leaf ``i`` is stored on an extra axis its computation does not
+        use (a parameter under FSDP, gathered at its uses, and its optimizer state);
+        optimizer state alone on an extra axis (ZeRO-1) is the update's layout."""
+        k = self.leaf_group.get(i)
+        dec = None if k is None else self.groups[k].extra
+        if dec is None:
+            return False
+        extra = self.decisions[dec].candidates[choice[dec]]
+        # under FSDP the optimizer state lives and is updated like its parameter
+        return extra is not None and extra[2] == "all"
 
     def refs(self, v: int) -> tuple[int, ...]:
         """Per dim of value ``v``: its decision (>= 0) or fixed axes (-1 - index)."""
@@ -496,35 +558,37 @@ class Problem(MemoryModel):
             seconds += work / split / self.cost_model.flops
         return seconds * US, sum(b for _, _, b in steps)
 
-    def _uses(self, v: int) -> int:
+    def _uses(self, v: int) -> list[int]:
         """Equations that read argument ``v`` in its compute layout (not the optimizer's
-        elementwise update, which works in the stored layout)."""
+        elementwise update, which works in the stored layout), in program order."""
         g = self.graph
         shape = g.shapes[v]
-        n = 0
+        uses = []
         for a in self._readers.get(v, ()):
             app = g.apps[a]
             others = [g.shapes[u] for u in (*app.operands, *app.results)]
             if not all(s == shape or s == () for s in others):
-                n += 1
-        return n
+                uses.append(a)
+        return uses
 
     def _group_terms(self) -> None:
         """Per group: the memory of its arguments (and tied results) under each joint
         choice, and the gathers an extra storage axis costs at each use."""
         g = self.graph
-        self._readers: dict[int, list[int]] = {}
-        for a, app in enumerate(g.apps):
-            if a not in self.dead and app.kind == "eqn":
-                for u in app.operands:
-                    self._readers.setdefault(u, []).append(a)
+        # per parameter that may be stored apart: its first and last use, between which
+        # XLA keeps the gathered copy (the forward's uses to the backward's)
+        self.gathered_span: dict[int, tuple[int, int]] = {}
         for grp in self.groups:
             leaves = (*grp.owners, *grp.followers)
             refs = {i: self.refs(g.in_vids[i]) for i in leaves}
             free = {r for rs in refs.values() for r in rs if r >= 0}
             if grp.extra is not None:
                 free.add(grp.extra)
-            uses = {i: self._uses(g.in_vids[i]) for i in grp.owners}
+            uses = {i: len(self._uses(g.in_vids[i])) for i in grp.owners}
+            for i in grp.owners if grp.extra is not None else ():
+                spots = self._uses(g.in_vids[i])
+                if spots:
+                    self.gathered_span[i] = (min(spots), max(spots))
             if not free:
                 continue
             term = self._term(free)
@@ -545,13 +609,13 @@ class Problem(MemoryModel):
                     # the parameter is all-gathered over the extra axis: at each use when
                     # it is stored sharded, once after the update when only its state is
                     gathers = uses[i] if extra[2] == "all" else 1
-                    n_axis = self.sizes[extra[1]]
+                    n_axis = math.prod(self.sizes[a] for a in extra[1])
                     local = self._leaf_bytes(i) / (2 if i in self.tied else 1) / shards
                     if extra[2] == "all":
                         local *= n_axis
                     b = ring_bytes("all-gather", n_axis, local)
                     term.bytes[n] += gathers * b
-                    term.time[n] += gathers * US * self.cost_model.collective_time((extra[1],), b)
+                    term.time[n] += gathers * US * self.cost_model.collective_time(extra[1], b)
 
     def baseline(self) -> dict[int, int]:
         return {d: 0 for d in range(len(self.decisions))}
