@@ -25,7 +25,9 @@ from jaxshard.cost import (
     CostModel,
     PlannedCollective,
     executions,
+    human_bytes,
     in_while_loop,
+    memory_estimate,
     nbytes,
     per_device_bytes,
     reshard_collectives,
@@ -34,7 +36,7 @@ from jaxshard.cost import (
 from jaxshard.errors import ShardingError
 from jaxshard.graph import Graph, build_graph
 from jaxshard.lattice import DimSharding, to_spec
-from jaxshard.propagate import STORAGE_RANK, Conflict, Origin, Propagator
+from jaxshard.propagate import DEFAULT_RANK, STORAGE_RANK, Conflict, Origin, Propagator
 from jaxshard.trace import Traced, auto_view, trace_on_mesh  # noqa: F401 (auto_view re-exported)
 
 
@@ -102,7 +104,10 @@ class Plan:
     """A complete sharding plan for one function and one set of argument shapes.
 
     Attributes: ``in_specs``/``out_specs`` (pytrees of PartitionSpec shaped like the
-    arguments ``(args, kwargs)``... see `in_specs`), ``reshards``, ``conflicts``, and
+    arguments ``(args, kwargs)``... see `in_specs`), ``reshards``, ``slices`` (the
+    ``(application, value)`` pairs where a value is cut to a finer layout for its use, no
+    collective needed), ``repeats`` (``(application, value, layout)`` where an operand
+    moves to a layout an earlier use already moved it to: moved once), ``conflicts``, and
     ``search_result``: the `jaxshard.search.SearchResult` of the search that chose this
     plan's layouts (None for a plan made from hints alone).
     """
@@ -125,6 +130,11 @@ class Plan:
         self.search_result: Any = None  # set by search_hints before it returns the plan
         self.partial: dict[int, frozenset[str]] = {}
         self.reshards: list[Reshard] = []
+        # (application, value) where a value is cut to a finer layout with no collective
+        self.slices: list[tuple[int, int]] = []
+        # (application, value, layout): an operand moved where an earlier use moved it
+        self.repeats: list[tuple[int, int, tuple[DimSharding, ...]]] = []
+        self._moved: set[tuple[int, tuple[DimSharding, ...]]] = set()
         self._runs, self._in_while = executions(graph), in_while_loop(graph)
         self._analyze(prop)
         if out_dims is None:
@@ -136,32 +146,36 @@ class Plan:
 
     def _analyze(self, prop: Propagator) -> None:
         g = self.graph
-        seen: set = set()
-        dead = dead_apps(g)
-        for a, app in enumerate(g.apps):
-            if a in dead or duplicate_app(app, seen) or prop.settled(a):
-                continue  # XLA drops it or computes it once; or it needs no reshard
-            wants: dict[int, list[DimSharding]] = {}
-            working, axes = prop.working(a)
-            axes = frozenset(x for x in axes if self.axis_sizes[x] > 1)  # one device: summed
-            for vid, d, want in working:
-                if want is not None and self.dims[vid][d] != want:
-                    wants.setdefault(vid, list(self.dims[vid]))[d] = want
-            for vid, work in wants.items():
-                if vid not in app.results:
-                    self._add_reshard(a, vid, self.dims[vid], tuple(work), frozenset())
-            for r in app.results:  # computed in the working layout (partial), then moved
-                if axes:
-                    self.partial[r] = axes
-                if axes or r in wants:
-                    self._add_reshard(a, r, tuple(wants.get(r, self.dims[r])), self.dims[r], axes)
+        for a in analyzed_apps(g, prop):
+            moves, axes = app_moves(prop, self.axis_sizes, a)
+            for vid, src, dst, partial in moves:
+                if vid not in g.apps[a].results:
+                    self._move_operand(a, vid, dst)
+                else:  # computed in the working layout (partial), then moved
+                    if axes:
+                        self.partial[vid] = axes
+                    self._add_reshard(a, vid, src, dst, partial)
+
+    def _move_operand(self, a: int, vid: int, dst: tuple[DimSharding, ...]) -> None:
+        """Operand ``vid`` of application ``a`` moves to ``dst``. The lowered program
+        constrains a copy of it at each use, and XLA merges identical copies of one value
+        (common-subexpression elimination: a weight gathered for the forward pass and
+        again for its rematerialization is gathered once), so a move repeated within one
+        scope costs nothing more: it is a repeat, not a reshard."""
+        if (vid, dst) in self._moved:
+            self.repeats.append((a, vid, dst))
+            return
+        self._moved.add((vid, dst))
+        self._add_reshard(a, vid, self.dims[vid], dst, frozenset())
 
     def _add_reshard(self, a, vid, src, dst, partial) -> None:
         g = self.graph
         steps = reshard_collectives(
             g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes, partial
         )
-        if steps:
+        if not steps:
+            self.slices.append((a, vid))
+        else:
             cost = sum(s.bytes for s in steps) + 0.0
             self.reshards.append(
                 Reshard(a, vid, src, dst, partial, cost, tuple(steps), g.apps[a].describe(),
@@ -397,6 +411,57 @@ def duplicate_app(app, seen: set) -> bool:
     return False
 
 
+def analyzed_apps(g: Graph, prop: Propagator) -> list[int]:
+    """The applications that may need a reshard: not dead code, not a duplicate of an
+    earlier equation, not already working in its values' layouts (`Propagator.settled`).
+
+    Example:
+        >>> analyzed_apps(plan.graph, prop)  # doctest: +SKIP
+        [3, 7, 12]
+    """
+    seen: set = set()
+    dead = dead_apps(g)
+    return [
+        a
+        for a, app in enumerate(g.apps)
+        if a not in dead and not duplicate_app(app, seen) and not prop.settled(a)
+    ]
+
+
+Move = tuple[int, tuple[DimSharding, ...], tuple[DimSharding, ...], frozenset[str]]
+
+
+def app_moves(
+    prop: Propagator, axis_sizes: Mapping[str, int], a: int
+) -> tuple[list[Move], frozenset[str]]:
+    """What application ``a`` of a finished propagation moves: ``(value, from, to,
+    pending partial axes)`` for each operand brought to the layout the equation works in
+    and each result taken from it (a partial sum when the equation reduces over sharded
+    axes) to its own layout; and those partial axes. Moves may cost nothing (a slice).
+
+    Example:
+        >>> app_moves(prop, {"data": 2}, 5)  # doctest: +SKIP
+        ([(17, (('data',), ()), ((), ()), frozenset())], frozenset())
+    """
+    dims = prop.state.dims
+    results = prop.graph.apps[a].results
+    wants: dict[int, list[DimSharding]] = {}
+    working, axes = prop.working(a)
+    axes = frozenset(x for x in axes if axis_sizes[x] > 1)  # one device: summed already
+    for vid, d, want in working:
+        if want is not None and dims[vid][d] != want:
+            wants.setdefault(vid, list(dims[vid]))[d] = want
+    moves: list[Move] = [
+        (vid, tuple(dims[vid]), tuple(work), frozenset())
+        for vid, work in wants.items()
+        if vid not in results
+    ]
+    for r in results:
+        if axes or r in wants:
+            moves.append((r, tuple(wants.get(r, dims[r])), tuple(dims[r]), axes))
+    return moves, axes
+
+
 PLAN_FORMAT, PLAN_VERSION = "jaxshard-plan", 1
 
 
@@ -601,15 +666,144 @@ UNREACHED = "replicated: no hint or propagation reached it"
 
 
 def decide(traced: Traced, graph: Graph, prop: Propagator, mesh: Mesh) -> Plan:
-    """Settle what propagation left open (replicated: arguments first, then the rest)
-    and make the `Plan`.
+    """Settle what propagation left open and make the `Plan`: large state that no hint
+    reached is split where that saves memory for few collective bytes
+    (`split_for_memory`), the rest is replicated (arguments first, then everything else).
 
     Example:
         >>> plan = decide(traced, graph, propagate_hints(traced, graph, mesh), mesh)  # doctest: +SKIP
     """
+    split_for_memory(graph, prop)
     prop.default(graph.in_vids, UNREACHED)
     prop.default(range(len(graph.shapes)), UNREACHED)
     return Plan(traced, graph, prop, mesh)
+
+
+# A state leaf is worth pricing a split for when it holds at least this share of the
+# plan's per-device memory; together, the splits chosen may add at most this share to the
+# plan's collective cost (bytes per device, or seconds under a cost model).
+MEMORY_SHARE, COST_ALLOWANCE = 0.01, 0.02
+
+
+class _Settled:
+    """A propagation with its open dims replicated, as `decide` would leave it, and what
+    it costs: per application the collective cost, and the memory estimate."""
+
+    def __init__(self, prop: Propagator, live, runs: list[int], apps: list[int],
+                 base: _Settled | None = None):  # fmt: skip
+        g = prop.graph
+        final = prop.fork()
+        final.default(g.in_vids, UNREACHED)
+        final.default(range(len(g.shapes)), UNREACHED)
+        self.prop = final
+        if base is None:
+            self.costs = {a: _app_cost(final, a, runs[a]) for a in apps}
+        else:  # only where a layout differs from the base's
+            dims, old = final.state.dims, base.prop.state.dims
+            touched = {a for v in range(len(dims)) if dims[v] != old[v] for a in prop.uses[v]}
+            self.costs = {**base.costs, **{a: _app_cost(final, a, runs[a]) for a in touched
+                                           if a in base.costs}}  # fmt: skip
+        self.cost = sum(self.costs.values())
+        dims = final.state.dims
+        out_dims = [dims[v] for v in g.out_vids]
+        for i, o in g.ties:
+            out_dims[o] = dims[g.in_vids[i]]
+        self.memory = memory_estimate(g, dims, prop.axis_sizes, out_dims, live).total
+
+
+def _app_cost(prop: Propagator, a: int, runs: int) -> float:
+    """The collective cost of application ``a`` run ``runs`` times per call: bytes per
+    device, or seconds under the propagator's cost model."""
+    if prop.settled(a):
+        return 0.0
+    total = 0.0
+    for vid, src, dst, partial in app_moves(prop, prop.axis_sizes, a)[0]:
+        total += prop._price(vid, src, dst, partial) * runs
+    return total
+
+
+def split_for_memory(graph: Graph, prop: Propagator) -> list[tuple[int, Pin]]:
+    """Split large state that no hint reached where that saves memory for few bytes.
+
+    After propagation a parameter (or optimizer state) that nothing reached stays open,
+    and `decide` would replicate it: every device then holds the whole of it, its
+    optimizer state and its new value (an embedding table and the output head, the
+    largest weights of a language model, under tensor-parallel hints on the blocks).
+    For each such leaf holding at least `MEMORY_SHARE` of the plan's estimated memory,
+    largest first, each way of splitting one open dim over one mesh axis it does not
+    use yet is propagated and priced like the rest of the plan: the collectives it
+    changes (`app_moves`, times their executions) and the memory estimate
+    (`jaxshard.cost.memory_estimate`). The split that saves the most memory is kept
+    when it saves some and all kept splits together add at most `COST_ALLOWANCE` of the
+    plan's collective cost. A vocabulary-parallel head and embedding pass: splitting
+    the head's vocabulary dim shards the logits and their softmax for a few all-reduces
+    of per-token scalars, and the lookup in a split table is summed once per token
+    instead of the table's gradient once per step. Returns the ``(value, pin)`` kept;
+    their origin names the memory saved and the cost.
+
+    Example:
+        >>> split_for_memory(graph, prop)  # doctest: +SKIP
+        [(3, Pin(dims=(('model',), None), source='split to save memory: ...'))]
+    """
+    sizes = prop.axis_sizes
+    state = dict.fromkeys(graph.in_vids[i] for i, _ in graph.ties)
+    dims = prop.state.dims
+    open_state = [v for v in state if None in dims[v] and _split_options(graph, dims, v, sizes)]
+    if not open_state:
+        return []
+    from jaxshard.cost import liveness
+
+    dead = dead_apps(graph)
+    live, runs = liveness(graph, dead), executions(graph)
+    seen: set = set()
+    apps = [a for a, app in enumerate(graph.apps) if a not in dead and not duplicate_app(app, seen)]
+    base = _Settled(prop, live, runs, apps)
+    allowance = COST_ALLOWANCE * base.cost
+    floor = MEMORY_SHARE * base.memory
+    big = sorted(
+        (v for v in open_state if nbytes(graph.shapes[v], graph.dtypes[v]) >= floor),
+        key=lambda v: -nbytes(graph.shapes[v], graph.dtypes[v]),
+    )
+    kept = []
+    for vid in big:
+        best = None
+        for d, axis in _split_options(graph, dims, vid, sizes):
+            pin = Pin(tuple((axis,) if i == d else None for i in range(len(dims[vid]))), "")
+            trial = prop.fork()
+            trial.pin(vid, pin, DEFAULT_RANK)
+            trial.run()
+            settled = _Settled(trial, live, runs, apps, base)
+            extra = settled.cost - base.cost
+            if settled.memory < base.memory and extra <= allowance:
+                if best is None or settled.memory < best[0].memory:
+                    best = (settled, pin)
+        if best is None:
+            continue
+        settled, pin = best
+        saved, extra = base.memory - settled.memory, settled.cost - base.cost
+        cost = f"{extra:.0f} B" if prop.cost_model is None else f"{extra * 1e6:.2f} µs"
+        pin = Pin(pin.dims, f"split to save memory: {human_bytes(saved)} less per device for "
+                            f"{cost} more collectives per step")  # fmt: skip
+        prop.pin(vid, pin, DEFAULT_RANK)
+        prop.run()
+        kept.append((vid, pin))
+        allowance -= extra
+        base = settled
+    return kept
+
+
+def _split_options(graph: Graph, dims, vid: int, sizes: Mapping[str, int]) -> list[tuple[int, str]]:
+    """``(dim, mesh axis)`` for each open dim of ``vid`` and each mesh axis of size > 1 it
+    does not use yet that divides the dim."""
+    used = {x for d in dims[vid] if d for x in d}
+    shape = graph.shapes[vid]
+    return [
+        (d, x)
+        for d, have in enumerate(dims[vid])
+        if have is None
+        for x, n in sizes.items()
+        if n > 1 and x not in used and shape[d] % n == 0
+    ]
 
 
 def split_storage(pins: Mapping[int, Pin], graph: Graph) -> tuple[dict[int, Pin], dict[int, Pin]]:

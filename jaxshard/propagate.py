@@ -166,6 +166,28 @@ class Propagator:
             lambda axes, sizes: split_axes(axes, sizes, axis_sizes)
         )
 
+    def fork(self) -> Propagator:
+        """A copy whose layouts can change without touching this one (the graph and the
+        rules' indexes are shared): for trying a decision and keeping it or not.
+
+        Example:
+            >>> trial = prop.fork()  # doctest: +SKIP
+            >>> trial.pin(vid, pin); trial.run()  # doctest: +SKIP
+        """
+        other = object.__new__(Propagator)
+        other.__dict__.update(self.__dict__)
+        state = self.state
+        other.state = State(
+            [list(d) for d in state.dims],
+            [list(o) for o in state.origins],
+            dict(state.conflicts),
+            state.visits,
+        )
+        other.hinted = set(self.hinted)
+        other._queue = deque(self._queue)
+        other._queued = bytearray(self._queued)
+        return other
+
     # --- seeding -------------------------------------------------------------------
 
     def pin(self, vid: int, pin: Pin, rank: int = HINT_RANK) -> None:
