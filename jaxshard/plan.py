@@ -23,11 +23,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxshard.annotate import Pin, match_hints, merge_pins
 from jaxshard.cost import (
     CostModel,
+    MemoryCurve,
     PlannedCollective,
     executions,
     human_bytes,
     in_while_loop,
-    memory_estimate,
+    liveness,
     nbytes,
     per_device_bytes,
     reshard_collectives,
@@ -685,60 +686,124 @@ def decide(traced: Traced, graph: Graph, prop: Propagator, mesh: Mesh) -> Plan:
 MEMORY_SHARE, COST_ALLOWANCE = 0.01, 0.02
 
 
-class _Settled:
-    """A propagation with its open dims replicated, as `decide` would leave it, and what
-    it costs: per application the collective cost, and the memory estimate."""
+class _Pricing:
+    """The plan `decide` would make from a propagation (its open dims replicated by
+    propagating defaults) and what it costs: per application the collective cost, and
+    the memory estimate. `price` costs the same plan with some values laid out
+    otherwise: only the applications around them are priced again, and ``moved`` says
+    whether those applications gather more than before (the new layout is then a
+    storage layout, gathered again for its use or its results). `keep` makes such a change
+    part of the plan."""
 
-    def __init__(self, prop: Propagator, live, runs: list[int], apps: list[int],
-                 base: _Settled | None = None):  # fmt: skip
+    def __init__(self, prop: Propagator, live, runs: list[int], apps: list[int]):
         g = prop.graph
         final = prop.fork()
         final.default(g.in_vids, UNREACHED)
         final.default(range(len(g.shapes)), UNREACHED)
-        self.prop = final
-        if base is None:
-            self.costs = {a: _app_cost(final, a, runs[a]) for a in apps}
-        else:  # only where a layout differs from the base's
-            dims, old = final.state.dims, base.prop.state.dims
-            touched = {a for v in range(len(dims)) if dims[v] != old[v] for a in prop.uses[v]}
-            self.costs = {**base.costs, **{a: _app_cost(final, a, runs[a]) for a in touched
-                                           if a in base.costs}}  # fmt: skip
-        self.cost = sum(self.costs.values())
-        dims = final.state.dims
-        out_dims = [dims[v] for v in g.out_vids]
-        for i, o in g.ties:
-            out_dims[o] = dims[g.in_vids[i]]
-        self.memory = memory_estimate(g, dims, prop.axis_sizes, out_dims, live).total
+        self.final, self.runs, self.apps = final, runs, set(apps)
+        # per application (cost, gathered bytes), priced when first needed
+        self.costs: dict[int, tuple[float, float]] = {}
+        self._cost: float | None = None
+        tied = dict((g.out_vids[o], g.in_vids[i]) for i, o in g.ties)
+        sources = [tied.get(v, v) for v in g.out_vids]
+        self.memory = MemoryCurve(g, final.state.dims, prop.axis_sizes, sources, live)
+
+    @property
+    def cost(self) -> float:
+        """The plan's collective cost (every application priced once, on first use)."""
+        if self._cost is None:
+            self._cost = sum(self._app(a)[0] for a in self.apps)
+        return self._cost
+
+    def _app(self, a: int) -> tuple[float, float]:
+        found = self.costs.get(a)
+        if found is None:
+            found = self.costs[a] = _app_cost(self.final, a, self.runs[a])
+        return found
+
+    def price(self, changed: dict[int, list[DimSharding]]) -> tuple[float, int, bool, dict]:
+        """``(extra collective cost, memory, moved, per-application costs)`` with the
+        values in ``changed`` laid out as given there."""
+        dims = self.final.state.dims
+        touched = {a for v in changed for a in self.final.uses[v] if a in self.apps}
+        before = {a: self._app(a) for a in touched}
+        old = {v: dims[v] for v in changed}
+        costs = {}
+        try:
+            for v, new in changed.items():
+                dims[v] = new
+            for a in touched:
+                costs[a] = _app_cost(self.final, a, self.runs[a])
+        finally:
+            for v, d in old.items():
+                dims[v] = d
+        extra = sum(c[0] - before[a][0] for a, c in costs.items())
+        moved = sum(c[1] - before[a][1] for a, c in costs.items()) > 0
+        return extra, self.memory.total_with(changed), moved, costs
+
+    def settled_changes(self, prop: Propagator) -> dict[int, list[DimSharding]]:
+        """The values whose layout differs from this plan's once ``prop`` (this plan's
+        propagation with a decision added) is settled as `decide` settles it."""
+        g = prop.graph
+        final = prop.fork()
+        final.default(g.in_vids, UNREACHED)
+        final.default(range(len(g.shapes)), UNREACHED)
+        now, old = final.state.dims, self.final.state.dims
+        return {v: now[v] for v in range(len(now)) if now[v] != old[v]}
+
+    def keep(
+        self, changed: dict[int, list[DimSharding]], costs: dict[int, tuple[float, float]]
+    ) -> None:
+        """Make a priced change part of the plan."""
+        dims = self.final.state.dims
+        for v, new in changed.items():
+            dims[v] = new
+        self.cost  # noqa: B018 - the total before the change, then moved by the delta
+        self._cost += sum(c[0] - self._app(a)[0] for a, c in costs.items())
+        self.costs.update(costs)
+        self.memory.update(changed)
 
 
-def _app_cost(prop: Propagator, a: int, runs: int) -> float:
-    """The collective cost of application ``a`` run ``runs`` times per call: bytes per
-    device, or seconds under the propagator's cost model."""
+def _app_cost(prop: Propagator, a: int, runs: int) -> tuple[float, float]:
+    """The collective cost of application ``a`` run ``runs`` times per call (bytes per
+    device, or seconds under the propagator's cost model), and the bytes of it that
+    gather or rearrange a layout (all-gathers, all-to-alls) rather than sum partials."""
     if prop.settled(a):
-        return 0.0
-    total = 0.0
-    for vid, src, dst, partial in app_moves(prop, prop.axis_sizes, a)[0]:
-        total += prop._price(vid, src, dst, partial) * runs
-    return total
+        return 0.0, 0.0
+    total = gathered = 0.0
+    g, sizes = prop.graph, prop.axis_sizes
+    for vid, src, dst, partial in app_moves(prop, sizes, a)[0]:
+        steps = reshard_collectives(g.shapes[vid], g.dtypes[vid], src, dst, sizes, partial)
+        for step in steps:
+            if prop.cost_model is None:
+                total += step.bytes * runs
+            else:
+                total += prop.cost_model.collective_time(step.axes, step.bytes) * runs
+            if step.kind in ("all-gather", "all-to-all"):
+                gathered += step.bytes * runs
+    return total, gathered
 
 
 def split_for_memory(graph: Graph, prop: Propagator) -> list[tuple[int, Pin]]:
     """Split large state that no hint reached where that saves memory for few bytes.
 
-    After propagation a parameter (or optimizer state) that nothing reached stays open,
-    and `decide` would replicate it: every device then holds the whole of it, its
+    After propagation a parameter (or optimizer state) that no hint pinned may have open
+    dims, and `decide` would replicate them: every device then holds the whole of it, its
     optimizer state and its new value (an embedding table and the output head, the
     largest weights of a language model, under tensor-parallel hints on the blocks).
-    For each such leaf holding at least `MEMORY_SHARE` of the plan's estimated memory,
+    For each such leaf holding at least `MEMORY_SHARE` of the arguments' memory,
     largest first, each way of splitting one open dim over one mesh axis it does not
     use yet is propagated and priced like the rest of the plan: the collectives it
     changes (`app_moves`, times their executions) and the memory estimate
     (`jaxshard.cost.memory_estimate`). The split that saves the most memory is kept
-    when it saves some and all kept splits together add at most `COST_ALLOWANCE` of the
-    plan's collective cost. A vocabulary-parallel head and embedding pass: splitting
-    the head's vocabulary dim shards the logits and their softmax for a few all-reduces
-    of per-token scalars, and the lookup in a split table is summed once per token
-    instead of the table's gradient once per step. Returns the ``(value, pin)`` kept;
+    when it saves some, all kept splits together add at most `COST_ALLOWANCE` of the
+    plan's collective cost, the leaf is used in its split layout (a split its uses
+    gather again is a storage layout, FSDP, whose gathered copies the memory estimate
+    does not see: those come from hints or the search), and no leaf a hint pinned
+    changes. A vocabulary-parallel head and embedding pass: splitting the head's
+    vocabulary dim shards the logits and their softmax for a few all-reduces of
+    per-token scalars, and a lookup in a split table is summed once per token instead
+    of the table's gradient once per step. Returns the ``(value, pin)`` kept;
     their origin names the memory saved and the cost.
 
     Example:
@@ -748,47 +813,75 @@ def split_for_memory(graph: Graph, prop: Propagator) -> list[tuple[int, Pin]]:
     sizes = prop.axis_sizes
     state = dict.fromkeys(graph.in_vids[i] for i, _ in graph.ties)
     dims = prop.state.dims
-    open_state = [v for v in state if None in dims[v] and _split_options(graph, dims, v, sizes)]
+    open_state = [
+        v
+        for v in state
+        if v not in prop.hinted and None in dims[v] and _split_options(graph, dims, v, sizes)
+    ]
     if not open_state:
         return []
-    from jaxshard.cost import liveness
 
-    dead = dead_apps(graph)
-    live, runs = liveness(graph, dead), executions(graph)
-    seen: set = set()
-    apps = [a for a, app in enumerate(graph.apps) if a not in dead and not duplicate_app(app, seen)]
-    base = _Settled(prop, live, runs, apps)
-    allowance = COST_ALLOWANCE * base.cost
-    floor = MEMORY_SHARE * base.memory
+    # the arguments alone (open dims replicated) bound the plan's memory from below
+    floor = MEMORY_SHARE * sum(
+        per_device_bytes(graph.shapes[v], graph.dtypes[v], dims[v], sizes)
+        for v in set(graph.in_vids)
+    )
     big = sorted(
         (v for v in open_state if nbytes(graph.shapes[v], graph.dtypes[v]) >= floor),
         key=lambda v: -nbytes(graph.shapes[v], graph.dtypes[v]),
     )
+    if not big:
+        return []
+    dead = dead_apps(graph)
+    live, runs = liveness(graph, dead), executions(graph)
+    seen: set = set()
+    apps = [a for a, app in enumerate(graph.apps) if a not in dead and not duplicate_app(app, seen)]
+    base = _Pricing(prop, live, runs, apps)
+    spent, memory = 0.0, base.memory.total
+    hinted = set(prop.hinted)  # the user's leaves keep their layout, open dims included
     kept = []
     for vid in big:
-        best = None
+        if None not in dims[vid]:
+            continue  # a split kept before reached it
+        options = []
         for d, axis in _split_options(graph, dims, vid, sizes):
             pin = Pin(tuple((axis,) if i == d else None for i in range(len(dims[vid]))), "")
-            trial = prop.fork()
-            trial.pin(vid, pin, DEFAULT_RANK)
-            trial.run()
-            settled = _Settled(trial, live, runs, apps, base)
-            extra = settled.cost - base.cost
-            if settled.memory < base.memory and extra <= allowance:
-                if best is None or settled.memory < best[0].memory:
-                    best = (settled, pin)
+            with prop.trying() as written:  # first priced as propagation leaves it
+                prop.pin(vid, pin, DEFAULT_RANK)
+                prop.run()
+                changed = {
+                    v: [() if x is None else x for x in dims[v]]
+                    for v in dict.fromkeys(v for v, *_ in written)
+                }
+            if not hinted.isdisjoint(changed):
+                continue  # it would change a leaf the user pinned
+            extra, total, moved, _ = base.price(changed)
+            if not moved and total < memory and spent + extra <= COST_ALLOWANCE * base.cost:
+                options.append((total, d, axis, pin))
+        best = None
+        for _, _, _, pin in sorted(options):  # then as `decide` would settle it
+            with prop.trying():
+                prop.pin(vid, pin, DEFAULT_RANK)
+                prop.run()
+                changed = base.settled_changes(prop)
+            if not hinted.isdisjoint(changed):
+                continue
+            extra, total, moved, costs = base.price(changed)
+            if not moved and total < memory and spent + extra <= COST_ALLOWANCE * base.cost:
+                best = (extra, total, pin, changed, costs)
+                break
         if best is None:
             continue
-        settled, pin = best
-        saved, extra = base.memory - settled.memory, settled.cost - base.cost
-        cost = f"{extra:.0f} B" if prop.cost_model is None else f"{extra * 1e6:.2f} µs"
-        pin = Pin(pin.dims, f"split to save memory: {human_bytes(saved)} less per device for "
-                            f"{cost} more collectives per step")  # fmt: skip
+        extra, total, pin, changed, costs = best
+        shown = f"{extra:.0f} B" if prop.cost_model is None else f"{extra * 1e6:.2f} µs"
+        pin = Pin(pin.dims, f"split to save memory: {human_bytes(memory - total)} less per "
+                            f"device for {shown} more collectives per step")  # fmt: skip
         prop.pin(vid, pin, DEFAULT_RANK)
         prop.run()
         kept.append((vid, pin))
-        allowance -= extra
-        base = settled
+        spent += extra
+        base.keep(changed, costs)
+        memory = total
     return kept
 
 
