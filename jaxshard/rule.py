@@ -42,7 +42,7 @@ class Factor:
 
     Example:
         >>> Factor("k", 64, FactorKind.REDUCTION)
-        Factor(name='k', size=64, kind=<FactorKind.REDUCTION: 'reduction'>, combine='sum')
+        Factor(name='k', size=64, kind=<FactorKind.REDUCTION: 'reduction'>, combine='sum', indexed=False)
     """
 
     name: str
