@@ -681,8 +681,8 @@ def decide(traced: Traced, graph: Graph, prop: Propagator, mesh: Mesh) -> Plan:
 
 
 # A state leaf is worth pricing a split for when it holds at least this share of the
-# plan's per-device memory; together, the splits chosen may add at most this share to the
-# plan's collective cost (bytes per device, or seconds under a cost model).
+# arguments' per-device bytes; together, the splits kept may add at most this share to
+# the plan's collective cost (bytes per device, or seconds under a cost model).
 MEMORY_SHARE, COST_ALLOWANCE = 0.01, 0.02
 
 
@@ -785,7 +785,7 @@ def _app_cost(prop: Propagator, a: int, runs: int) -> tuple[float, float]:
 
 
 def split_for_memory(graph: Graph, prop: Propagator) -> list[tuple[int, Pin]]:
-    """Split large state that no hint reached where that saves memory for few bytes.
+    """Split large state no hint pinned where that saves memory for few more bytes.
 
     After propagation a parameter (or optimizer state) that no hint pinned may have open
     dims, and `decide` would replicate them: every device then holds the whole of it, its
