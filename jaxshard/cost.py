@@ -132,9 +132,12 @@ def reshard_collectives(
     dst: Sequence[DimSharding],
     axis_sizes: Mapping[str, int],
     partial: frozenset[str] = frozenset(),
+    reduce_scatter: bool = True,
 ) -> list[PlannedCollective]:
     """The collectives of `reshard_cost` one by one: ``(kind, mesh axes, bytes per device)``,
-    so a `CostModel` can price each on its own axes.
+    so a `CostModel` can price each on its own axes. Without ``reduce_scatter`` (a backend
+    that has none, see `has_reduce_scatter`) a reduce-scatter moves what an all-reduce of
+    its input moves: the backend sums the whole input and each device keeps its slice.
 
     Example:
         >>> sizes = {"data": 2, "model": 4}
@@ -163,7 +166,8 @@ def reshard_collectives(
     if scattered:  # the input is whole along the scattered axes, whatever ``src`` says
         n = math.prod(axis_sizes[a] for a in scattered)
         whole = [tuple(a for a in d if a not in scattered) for d in src]
-        volume = ring_bytes("reduce-scatter", n, total / shards(whole, axis_sizes))
+        kind = "reduce-scatter" if reduce_scatter else "all-reduce"
+        volume = ring_bytes(kind, n, total / shards(whole, axis_sizes))
         out.append(PlannedCollective("reduce-scatter", tuple(scattered), volume))
     moved = sorted(
         a
@@ -182,6 +186,22 @@ def reshard_collectives(
             PlannedCollective("all-gather", tuple(removed), ring_bytes("all-gather", n, local_dst))
         )
     return out
+
+
+def has_reduce_scatter(mesh) -> bool:
+    """Whether the devices of ``mesh`` run reduce-scatters as such. XLA's CPU backend does
+    not: its partitioner leaves an all-reduce of the whole input (measured on every
+    compiled program of the benchmarks), so a reduce-scatter there costs an all-reduce.
+    A mesh without devices (abstract) is taken to be an accelerator's.
+
+    Example:
+        >>> import jax
+        >>> has_reduce_scatter(jax.make_mesh((1,), ("data",)))  # on a CPU
+        False
+    """
+    devices = getattr(mesh, "devices", None)
+    platform = getattr(getattr(devices, "flat", [None])[0], "platform", None)
+    return platform != "cpu"
 
 
 def _order_changed(src_axes: tuple[str, ...], dst_axes: tuple[str, ...], axis: str) -> bool:

@@ -26,6 +26,7 @@ from jaxshard.cost import (
     MemoryCurve,
     PlannedCollective,
     executions,
+    has_reduce_scatter,
     human_bytes,
     in_while_loop,
     liveness,
@@ -137,6 +138,7 @@ class Plan:
         self.repeats: list[tuple[int, int, tuple[DimSharding, ...]]] = []
         self._moved: set[tuple[int, tuple[DimSharding, ...]]] = set()
         self._runs, self._in_while = executions(graph), in_while_loop(graph)
+        self._reduce_scatter = has_reduce_scatter(mesh)
         self._analyze(prop)
         if out_dims is None:
             out_dims = [self.dims[v] for v in graph.out_vids]
@@ -172,7 +174,7 @@ class Plan:
     def _add_reshard(self, a, vid, src, dst, partial) -> None:
         g = self.graph
         steps = reshard_collectives(
-            g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes, partial
+            g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes, partial, self._reduce_scatter
         )
         if not steps:
             self.slices.append((a, vid))
@@ -674,7 +676,7 @@ def decide(traced: Traced, graph: Graph, prop: Propagator, mesh: Mesh) -> Plan:
     Example:
         >>> plan = decide(traced, graph, propagate_hints(traced, graph, mesh), mesh)  # doctest: +SKIP
     """
-    split_for_memory(graph, prop)
+    split_for_memory(graph, prop, has_reduce_scatter(mesh))
     prop.default(graph.in_vids, UNREACHED)
     prop.default(range(len(graph.shapes)), UNREACHED)
     return Plan(traced, graph, prop, mesh)
@@ -695,8 +697,11 @@ class _Pricing:
     storage layout, gathered again for its use or its results). `keep` makes such a change
     part of the plan."""
 
-    def __init__(self, prop: Propagator, live, runs: list[int], apps: list[int]):
+    def __init__(
+        self, prop: Propagator, live, runs: list[int], apps: list[int], reduce_scatter: bool
+    ):
         g = prop.graph
+        self.reduce_scatter = reduce_scatter
         final = prop.fork()
         final.default(g.in_vids, UNREACHED)
         final.default(range(len(g.shapes)), UNREACHED)
@@ -718,7 +723,7 @@ class _Pricing:
     def _app(self, a: int) -> tuple[float, float]:
         found = self.costs.get(a)
         if found is None:
-            found = self.costs[a] = _app_cost(self.final, a, self.runs[a])
+            found = self.costs[a] = _app_cost(self.final, a, self.runs[a], self.reduce_scatter)
         return found
 
     def price(self, changed: dict[int, list[DimSharding]]) -> tuple[float, int, bool, dict]:
@@ -733,7 +738,7 @@ class _Pricing:
             for v, new in changed.items():
                 dims[v] = new
             for a in touched:
-                costs[a] = _app_cost(self.final, a, self.runs[a])
+                costs[a] = _app_cost(self.final, a, self.runs[a], self.reduce_scatter)
         finally:
             for v, d in old.items():
                 dims[v] = d
@@ -764,7 +769,7 @@ class _Pricing:
         self.memory.update(changed)
 
 
-def _app_cost(prop: Propagator, a: int, runs: int) -> tuple[float, float]:
+def _app_cost(prop: Propagator, a: int, runs: int, reduce_scatter: bool) -> tuple[float, float]:
     """The collective cost of application ``a`` run ``runs`` times per call (bytes per
     device, or seconds under the propagator's cost model), and the bytes of it that
     gather or rearrange a layout (all-gathers, all-to-alls) rather than sum partials."""
@@ -773,7 +778,9 @@ def _app_cost(prop: Propagator, a: int, runs: int) -> tuple[float, float]:
     total = gathered = 0.0
     g, sizes = prop.graph, prop.axis_sizes
     for vid, src, dst, partial in app_moves(prop, sizes, a)[0]:
-        steps = reshard_collectives(g.shapes[vid], g.dtypes[vid], src, dst, sizes, partial)
+        steps = reshard_collectives(
+            g.shapes[vid], g.dtypes[vid], src, dst, sizes, partial, reduce_scatter
+        )
         for step in steps:
             if prop.cost_model is None:
                 total += step.bytes * runs
@@ -784,7 +791,9 @@ def _app_cost(prop: Propagator, a: int, runs: int) -> tuple[float, float]:
     return total, gathered
 
 
-def split_for_memory(graph: Graph, prop: Propagator) -> list[tuple[int, Pin]]:
+def split_for_memory(
+    graph: Graph, prop: Propagator, reduce_scatter: bool = True
+) -> list[tuple[int, Pin]]:
     """Split large state no hint pinned where that saves memory for few more bytes.
 
     After propagation a parameter (or optimizer state) that no hint pinned may have open
@@ -803,7 +812,8 @@ def split_for_memory(graph: Graph, prop: Propagator) -> list[tuple[int, Pin]]:
     changes. A vocabulary-parallel head and embedding pass: splitting the head's
     vocabulary dim shards the logits and their softmax for a few all-reduces of
     per-token scalars, and a lookup in a split table is summed once per token instead
-    of the table's gradient once per step. Returns the ``(value, pin)`` kept;
+    of the table's gradient once per step. ``reduce_scatter``: whether the backend has
+    one (`jaxshard.cost.has_reduce_scatter`). Returns the ``(value, pin)`` kept;
     their origin names the memory saved and the cost.
 
     Example:
@@ -836,7 +846,7 @@ def split_for_memory(graph: Graph, prop: Propagator) -> list[tuple[int, Pin]]:
     live, runs = liveness(graph, dead), executions(graph)
     seen: set = set()
     apps = [a for a, app in enumerate(graph.apps) if a not in dead and not duplicate_app(app, seen)]
-    base = _Pricing(prop, live, runs, apps)
+    base = _Pricing(prop, live, runs, apps, reduce_scatter)
     spent, memory = 0.0, base.memory.total
     hinted = set(prop.hinted)  # the user's leaves keep their layout, open dims included
     kept = []
