@@ -6,7 +6,9 @@ devices with the shardings the rule implies — every dim the factor leads split
 mesh axis, everything else replicated — and must match the unsharded result. A
 pass-through factor must also compile to a program without collectives. A reduction
 factor is checked again per device under `shard_map`: each device's partial results,
-combined the way the rule declares (sum, max, ...), must give the global result. The
+combined the way the rule declares (sum, max, ...), must give the global result; an
+indexed one (a lookup by global indices, see `jaxshard.rule.Factor`) must compile to
+all-reduces only. The
 catalogue's own test (`tests/test_rule_execution.py`) and `check_rule` share this core.
 """
 
@@ -161,7 +163,18 @@ def check_factor(
         raise RuleCheckError(f"{where}: {len(actual)} results, expected {len(expected)}")
     for i, (a, e) in enumerate(zip(actual, expected)):
         assert_same(a, e, f"{where}: result {i} differs from the unsharded run", rtol, atol)
-    if factor.kind is FactorKind.REDUCTION:
+    if factor.kind is FactorKind.REDUCTION and factor.indexed:
+        # run alone on a shard, the lookup would read global indices as local ones: the
+        # sharded run above checked the numbers; the claim left is that the partial
+        # lookups are summed (an all-reduce), not the table gathered first
+        moved = set(hlo_collectives(compiled.as_text())) - {"all-reduce"}
+        if moved:
+            raise RuleCheckError(
+                f"{where}: an indexed reduction must compile to all-reduces of its partial "
+                f"lookups, but sharding it compiled to {sorted(moved)}; declare it "
+                "need-replication"
+            )
+    elif factor.kind is FactorKind.REDUCTION:
         _check_combination(local or apply, rule, f, args, expected, in_shardings, mesh, where,
                            rtol, atol)  # fmt: skip
     if factor.kind is FactorKind.PASS:

@@ -132,9 +132,12 @@ def reshard_collectives(
     dst: Sequence[DimSharding],
     axis_sizes: Mapping[str, int],
     partial: frozenset[str] = frozenset(),
+    reduce_scatter: bool = True,
 ) -> list[PlannedCollective]:
     """The collectives of `reshard_cost` one by one: ``(kind, mesh axes, bytes per device)``,
-    so a `CostModel` can price each on its own axes.
+    so a `CostModel` can price each on its own axes. Without ``reduce_scatter`` (a backend
+    that has none, see `has_reduce_scatter`) a reduce-scatter moves what an all-reduce of
+    its input moves: the backend sums the whole input and each device keeps its slice.
 
     Example:
         >>> sizes = {"data": 2, "model": 4}
@@ -163,7 +166,8 @@ def reshard_collectives(
     if scattered:  # the input is whole along the scattered axes, whatever ``src`` says
         n = math.prod(axis_sizes[a] for a in scattered)
         whole = [tuple(a for a in d if a not in scattered) for d in src]
-        volume = ring_bytes("reduce-scatter", n, total / shards(whole, axis_sizes))
+        kind = "reduce-scatter" if reduce_scatter else "all-reduce"
+        volume = ring_bytes(kind, n, total / shards(whole, axis_sizes))
         out.append(PlannedCollective("reduce-scatter", tuple(scattered), volume))
     moved = sorted(
         a
@@ -182,6 +186,22 @@ def reshard_collectives(
             PlannedCollective("all-gather", tuple(removed), ring_bytes("all-gather", n, local_dst))
         )
     return out
+
+
+def has_reduce_scatter(mesh) -> bool:
+    """Whether the devices of ``mesh`` run reduce-scatters as such. XLA's CPU backend does
+    not: its partitioner leaves an all-reduce of the whole input (measured on every
+    compiled program of the benchmarks), so a reduce-scatter there costs an all-reduce.
+    A mesh without devices (abstract) is taken to be an accelerator's.
+
+    Example:
+        >>> import jax
+        >>> has_reduce_scatter(jax.make_mesh((1,), ("data",)))  # on a CPU
+        False
+    """
+    devices = getattr(mesh, "devices", None)
+    platform = getattr(getattr(devices, "flat", [None])[0], "platform", None)
+    return platform != "cpu"
 
 
 def _order_changed(src_axes: tuple[str, ...], dst_axes: tuple[str, ...], axis: str) -> bool:
@@ -606,3 +626,78 @@ def memory_estimate(
     curve = np.cumsum(delta)[:n_apps]
     peak = int(np.argmax(curve))
     return MemoryEstimate(args, results, int(curve[peak]), peak)
+
+
+class MemoryCurve:
+    """`memory_estimate` of one layout, kept so that the estimate of a few values laid
+    out otherwise costs only those values: for pricing one decision after another.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> g = build_graph(trace(lambda x: jnp.sin(x) * 2, (jnp.ones((8, 4)),), {}), {})
+        >>> curve = MemoryCurve(g, [[(), ()]] * len(g.shapes), {"data": 2})
+        >>> curve.total, curve.total_with({v: [("data",), ()] for v in range(len(g.shapes))})
+        (384, 192)
+    """
+
+    def __init__(
+        self,
+        graph,
+        dims: Sequence[Sequence[DimSharding]],
+        axis_sizes: Mapping[str, int],
+        sources: Sequence[int] | None = None,
+        live: Liveness | None = None,
+    ):
+        self.graph, self.axis_sizes = graph, axis_sizes
+        self.live = live or liveness(graph)
+        # each distinct result, by the value whose layout it takes (an argument for a tie)
+        sources = list(sources if sources is not None else graph.out_vids)
+        seen: set[int] = set()
+        self.results: list[int] = []
+        self.results_sources = sources
+        for v, src in zip(graph.out_vids, sources):
+            if v not in seen:
+                seen.add(v)
+                self.results.append(src)
+        self.args = sorted(set(graph.in_vids))
+        self.position = {int(v): i for i, v in enumerate(self.live.intermediates)}
+        self.sizes = np.array(
+            [self._bytes(v, dims[v]) for v in self.live.intermediates], dtype=np.int64
+        )
+        self.dims = dims
+        self.total = self.total_with({})
+
+    def _bytes(self, v: int, dims) -> int:
+        return per_device_bytes(self.graph.shapes[v], self.graph.dtypes[v], dims, self.axis_sizes)
+
+    def update(self, changed: Mapping[int, Sequence[DimSharding]]) -> None:
+        """Take the layouts in ``changed`` for good (``dims``, given at construction, must
+        already hold them)."""
+        for v in changed:
+            i = self.position.get(v)
+            if i is not None:
+                self.sizes[i] = self._bytes(v, self.dims[v])
+        self.total = self.total_with({})
+
+    def total_with(self, changed: Mapping[int, Sequence[DimSharding]]) -> int:
+        """Arguments + results + peak activations with the values in ``changed`` laid out
+        as given there and every other value as at construction."""
+        layout = lambda v: changed.get(v, self.dims[v])  # noqa: E731
+        args = sum(self._bytes(v, layout(v)) for v in self.args)
+        results = sum(self._bytes(v, layout(v)) for v in self.results)
+        live = self.live
+        if not len(live.intermediates) or not self.graph.apps:
+            return args + results
+        sizes = self.sizes
+        moved = [(self.position[v], v) for v in changed if v in self.position]
+        if moved:
+            sizes = sizes.copy()
+            for i, v in moved:
+                sizes[i] = self._bytes(v, changed[v])
+        n_apps = len(self.graph.apps)
+        delta = np.zeros(n_apps + 1, dtype=np.int64)
+        np.add.at(delta, live.start[live.intermediates], sizes)
+        np.add.at(delta, live.end[live.intermediates] + 1, -sizes)
+        return args + results + int(np.cumsum(delta)[:n_apps].max())

@@ -187,8 +187,8 @@ def _without(entry: Any, axes: set) -> Any:
 
 def pinned_values(plan: Plan) -> set[int]:
     """Values the lowered program constrains: hinted values, results of equations with a
-    reduction or need-replication factor, and both sides of every predicted reshard: the
-    value that moves and the results of the equation it moves for.
+    reduction or need-replication factor, and both sides of every predicted reshard and
+    local slice: the value that moves and the results of the equation it moves for.
 
     Pinning the results too makes XLA move an operand where the plan says. Left free,
     XLA may carry the operand's layout through the equation and move it later instead:
@@ -205,7 +205,42 @@ def pinned_values(plan: Plan) -> set[int]:
     for r in plan.reshards:
         pinned.add(r.vid)
         pinned.update(g.apps[r.app].results)
+    # a value the plan computes whole and slices for one use: left free, XLA may compute
+    # it sliced for that use and all-gather it for the others (AdamW's second moment
+    # next to a parameter stored sharded)
+    for a, vid in plan.slices:
+        pinned.add(vid)
+        pinned.update(g.apps[a].results)
     return pinned
+
+
+def operands_at_use(plan: Plan) -> dict[int, dict[int, tuple]]:
+    """The layouts operands are moved to at their use: per equation (named by the value
+    of its first result), ``{operand value: the layout the equation works in}``, for
+    every predicted reshard of an operand and every repeat of one (`Plan.repeats`).
+
+    The lowered program constrains a copy of the operand to this layout right before the
+    equation, so the collective the plan priced is the one XLA runs. Left to itself, XLA's
+    partitioner may move an operand some other way: a weight stored split over "data"
+    and wanted whole by a matmul whose batch is on "data" was measured moving as a
+    collective-permute plus an all-gather over "model", twice the bytes of the all-gather
+    over "data" the plan asks for.
+
+    Example:
+        >>> operands_at_use(plan)  # doctest: +SKIP
+        {412: {17: ((), ())}}
+    """
+    g = plan.graph
+    found: dict[int, dict[int, tuple]] = {}
+    for r in plan.reshards:
+        app = g.apps[r.app]
+        if app.kind != "eqn" or r.vid in app.results or not app.results:
+            continue
+        found.setdefault(app.results[0], {})[r.vid] = r.dst
+    for a, vid, dst in plan.repeats:  # the same copy again: XLA makes it once
+        if g.apps[a].kind == "eqn" and g.apps[a].results:
+            found.setdefault(g.apps[a].results[0], {})[vid] = dst
+    return found
 
 
 def program_name(traced) -> str:
@@ -292,6 +327,25 @@ class Lowered:
             ]
             if items:
                 self._levels[path] = (dict(items), tuple(items))
+        # per path: {first result var of an equation: {operand var: its layout at this use}}
+        self._uses: dict[tuple, dict[Any, dict[Any, tuple]]] = {}
+        at_use = operands_at_use(plan)
+        for path, env in plan.graph.var_vids.items() if at_use else ():
+            firsts = [(var, at_use[vid]) for var, vid in env.items() if vid in at_use]
+            if not firsts:
+                continue
+            moved = {v for _, moves in firsts for v in moves}
+            vars_of: dict[int, list] = {}  # a value may have several names in one jaxpr
+            for var, vid in env.items():
+                if vid in moved:
+                    vars_of.setdefault(vid, []).append(var)
+            named = (lambda v: v) if rename is None else (lambda v: rename.get(v, v))
+            self._uses[path] = {
+                named(var): {
+                    named(name): dims for v, dims in moves.items() for name in vars_of.get(v, ())
+                }
+                for var, moves in firsts
+            }
         self._regions: dict[int, list] = {}  # id(jaxpr) -> its higher-order equations
         self._bodies: dict[tuple, Any] = {}  # rewritten nested jaxprs, shared by call sites
         return ClosedJaxpr(self._rewrite(closed.jaxpr, ()), closed.consts)
@@ -333,6 +387,9 @@ class Lowered:
         so JAX lowers each distinct body to one StableHLO function, as for plain `jit`.
         """
         pins, key = self._levels.get(path, ({}, ()))
+        uses = self._uses.get(path, {})
+        if uses:
+            key = (key, tuple((r, tuple(m.items())) for r, m in uses.items()))
         new_params: dict[int, dict] = {}
         children = []
         for index, eqn, regions in self._regions_of(jaxpr):
@@ -358,7 +415,7 @@ class Lowered:
             if params is not None:
                 new_params[index] = params
         if path:
-            if not pins and not new_params:
+            if not pins and not new_params and not uses:
                 return jaxpr  # nothing to constrain in this body or below
             memo = (id(jaxpr), key, tuple(id(c) for c in children))
             shared = self._bodies.get(memo)
@@ -373,11 +430,15 @@ class Lowered:
                     subst[var] = self._constrain(var, dims, eqns, jaxpr.eqns[0])
         for index, eqn in enumerate(jaxpr.eqns):
             params = new_params.get(index)
+            read = eqn.invars  # the names the plan's moves are keyed by
             if subst and any(not isinstance(v, Literal) and v in subst for v in eqn.invars):
                 invars = [v if isinstance(v, Literal) else subst.get(v, v) for v in eqn.invars]
                 eqn = eqn.replace(invars=invars, params=params)
             elif params is not None:
                 eqn = eqn.replace(params=params)
+            moves = uses.get(eqn.outvars[0]) if uses and eqn.outvars else None
+            if moves:
+                eqn = self._moved_operands(eqn, read, moves, subst, eqns)
             eqns.append(eqn)
             if pins:
                 for var in eqn.outvars:
@@ -389,6 +450,19 @@ class Lowered:
         if path:
             self._bodies[memo] = new
         return new
+
+    def _moved_operands(self, eqn, read: list, moves: dict, subst: dict, eqns: list):
+        """``eqn`` reading copies of the operands the plan moves (``read``: its operands'
+        names before substitution), each constrained to the layout the equation works in
+        (appended to ``eqns``); other readers keep the operand as it is."""
+        invars, copies = list(eqn.invars), {}
+        for i, var in enumerate(read):
+            if isinstance(var, Literal) or var not in moves:
+                continue
+            if var not in copies:
+                copies[var] = self._constrain(subst.get(var, var), moves[var], eqns, eqn)
+            invars[i] = copies[var]
+        return eqn.replace(invars=invars) if copies else eqn
 
     def _closed(self, old: ClosedJaxpr, inner: Jaxpr) -> ClosedJaxpr:
         """One ClosedJaxpr per (original, rewritten body): JAX's lowering caches key on it."""

@@ -23,10 +23,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxshard.annotate import Pin, PinKind, match_hints, merge_pins
 from jaxshard.cost import (
     CostModel,
+    MemoryCurve,
     PlannedCollective,
     WrittenCollective,
     executions,
+    has_reduce_scatter,
+    human_bytes,
     in_while_loop,
+    liveness,
     nbytes,
     per_device_bytes,
     reshard_collectives,
@@ -36,7 +40,7 @@ from jaxshard.cost import (
 from jaxshard.errors import ShardingError
 from jaxshard.graph import Graph, build_graph
 from jaxshard.lattice import DimSharding, spec_entry, to_spec
-from jaxshard.propagate import STORAGE_RANK, Conflict, Origin, Propagator
+from jaxshard.propagate import DEFAULT_RANK, STORAGE_RANK, Conflict, Origin, Propagator
 from jaxshard.trace import Traced, auto_view, trace_on_mesh  # noqa: F401 (auto_view re-exported)
 
 
@@ -104,7 +108,10 @@ class Plan:
     """A complete sharding plan for one function and one set of argument shapes.
 
     Attributes: ``in_specs``/``out_specs`` (pytrees of PartitionSpec shaped like the
-    arguments ``(args, kwargs)``... see `in_specs`), ``reshards``, ``conflicts``, and
+    arguments ``(args, kwargs)``... see `in_specs`), ``reshards``, ``slices`` (the
+    ``(application, value)`` pairs where a value is cut to a finer layout for its use, no
+    collective needed), ``repeats`` (``(application, value, layout)`` where an operand
+    moves to a layout an earlier use already moved it to: moved once), ``conflicts``, and
     ``search_result``: the `jaxshard.search.SearchResult` of the search that chose this
     plan's layouts (None for a plan made from hints alone).
     """
@@ -128,7 +135,13 @@ class Plan:
         self.pipelined: tuple = ()  # the PipelinedLoops of auto_shard(pipeline=...)
         self.partial: dict[int, frozenset[str]] = {}
         self.reshards: list[Reshard] = []
+        # (application, value) where a value is cut to a finer layout with no collective
+        self.slices: list[tuple[int, int]] = []
+        # (application, value, layout): an operand moved where an earlier use moved it
+        self.repeats: list[tuple[int, int, tuple[DimSharding, ...]]] = []
+        self._moved: set[tuple[int, tuple[DimSharding, ...]]] = set()
         self._runs, self._in_while = executions(graph), in_while_loop(graph)
+        self._reduce_scatter = has_reduce_scatter(mesh)
         self._analyze(prop)
         # the collectives the program writes itself (shard_map bodies), priced like reshards
         self.written: list[WrittenCollective] = written_collectives(
@@ -143,32 +156,36 @@ class Plan:
 
     def _analyze(self, prop: Propagator) -> None:
         g = self.graph
-        seen: set = set()
-        dead = dead_apps(g)
-        for a, app in enumerate(g.apps):
-            if a in dead or duplicate_app(app, seen) or prop.settled(a):
-                continue  # XLA drops it or computes it once; or it needs no reshard
-            wants: dict[int, list[DimSharding]] = {}
-            working, axes = prop.working(a)
-            axes = frozenset(x for x in axes if self.axis_sizes[x] > 1)  # one device: summed
-            for vid, d, want in working:
-                if want is not None and self.dims[vid][d] != want:
-                    wants.setdefault(vid, list(self.dims[vid]))[d] = want
-            for vid, work in wants.items():
-                if vid not in app.results:
-                    self._add_reshard(a, vid, self.dims[vid], tuple(work), frozenset())
-            for r in app.results:  # computed in the working layout (partial), then moved
-                if axes:
-                    self.partial[r] = axes
-                if axes or r in wants:
-                    self._add_reshard(a, r, tuple(wants.get(r, self.dims[r])), self.dims[r], axes)
+        for a in analyzed_apps(g, prop):
+            moves, axes = app_moves(prop, self.axis_sizes, a)
+            for vid, src, dst, partial in moves:
+                if vid not in g.apps[a].results:
+                    self._move_operand(a, vid, dst)
+                else:  # computed in the working layout (partial), then moved
+                    if axes:
+                        self.partial[vid] = axes
+                    self._add_reshard(a, vid, src, dst, partial)
+
+    def _move_operand(self, a: int, vid: int, dst: tuple[DimSharding, ...]) -> None:
+        """Operand ``vid`` of application ``a`` moves to ``dst``. The lowered program
+        constrains a copy of it at each use, and XLA merges identical copies of one value
+        (common-subexpression elimination: a weight gathered for the forward pass and
+        again for its rematerialization is gathered once), so a move repeated within one
+        scope costs nothing more: it is a repeat, not a reshard."""
+        if (vid, dst) in self._moved:
+            self.repeats.append((a, vid, dst))
+            return
+        self._moved.add((vid, dst))
+        self._add_reshard(a, vid, self.dims[vid], dst, frozenset())
 
     def _add_reshard(self, a, vid, src, dst, partial) -> None:
         g = self.graph
         steps = reshard_collectives(
-            g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes, partial
+            g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes, partial, self._reduce_scatter
         )
-        if steps:
+        if not steps:
+            self.slices.append((a, vid))
+        else:
             cost = sum(s.bytes for s in steps) + 0.0
             self.reshards.append(
                 Reshard(a, vid, src, dst, partial, cost, tuple(steps), g.apps[a].describe(),
@@ -404,6 +421,57 @@ def duplicate_app(app, seen: set) -> bool:
         return True
     seen.add(key)
     return False
+
+
+def analyzed_apps(g: Graph, prop: Propagator) -> list[int]:
+    """The applications that may need a reshard: not dead code, not a duplicate of an
+    earlier equation, not already working in its values' layouts (`Propagator.settled`).
+
+    Example:
+        >>> analyzed_apps(plan.graph, prop)  # doctest: +SKIP
+        [3, 7, 12]
+    """
+    seen: set = set()
+    dead = dead_apps(g)
+    return [
+        a
+        for a, app in enumerate(g.apps)
+        if a not in dead and not duplicate_app(app, seen) and not prop.settled(a)
+    ]
+
+
+Move = tuple[int, tuple[DimSharding, ...], tuple[DimSharding, ...], frozenset[str]]
+
+
+def app_moves(
+    prop: Propagator, axis_sizes: Mapping[str, int], a: int
+) -> tuple[list[Move], frozenset[str]]:
+    """What application ``a`` of a finished propagation moves: ``(value, from, to,
+    pending partial axes)`` for each operand brought to the layout the equation works in
+    and each result taken from it (a partial sum when the equation reduces over sharded
+    axes) to its own layout; and those partial axes. Moves may cost nothing (a slice).
+
+    Example:
+        >>> app_moves(prop, {"data": 2}, 5)  # doctest: +SKIP
+        ([(17, (('data',), ()), ((), ()), frozenset())], frozenset())
+    """
+    dims = prop.state.dims
+    results = prop.graph.apps[a].results
+    wants: dict[int, list[DimSharding]] = {}
+    working, axes = prop.working(a)
+    axes = frozenset(x for x in axes if axis_sizes[x] > 1)  # one device: summed already
+    for vid, d, want in working:
+        if want is not None and dims[vid][d] != want:
+            wants.setdefault(vid, list(dims[vid]))[d] = want
+    moves: list[Move] = [
+        (vid, tuple(dims[vid]), tuple(work), frozenset())
+        for vid, work in wants.items()
+        if vid not in results
+    ]
+    for r in results:
+        if axes or r in wants:
+            moves.append((r, tuple(wants.get(r, dims[r])), tuple(dims[r]), axes))
+    return moves, axes
 
 
 PLAN_FORMAT, PLAN_VERSION = "jaxshard-plan", 1
@@ -653,15 +721,244 @@ UNREACHED = "replicated: no hint or propagation reached it"
 
 
 def decide(traced: Traced, graph: Graph, prop: Propagator, mesh: Mesh) -> Plan:
-    """Settle what propagation left open (replicated: arguments first, then the rest)
-    and make the `Plan`.
+    """Settle what propagation left open and make the `Plan`: large state that no hint
+    reached is split where that saves memory for few collective bytes
+    (`split_for_memory`), the rest is replicated (arguments first, then everything else).
 
     Example:
         >>> plan = decide(traced, graph, propagate_hints(traced, graph, mesh), mesh)  # doctest: +SKIP
     """
+    split_for_memory(graph, prop, has_reduce_scatter(mesh))
     prop.default(graph.in_vids, UNREACHED)
     prop.default(range(len(graph.shapes)), UNREACHED)
     return Plan(traced, graph, prop, mesh)
+
+
+# A state leaf is worth pricing a split for when it holds at least this share of the
+# arguments' per-device bytes; together, the splits kept may add at most this share to
+# the plan's collective cost (bytes per device, or seconds under a cost model).
+MEMORY_SHARE, COST_ALLOWANCE = 0.01, 0.02
+
+
+class _Pricing:
+    """The plan `decide` would make from a propagation (its open dims replicated by
+    propagating defaults) and what it costs: per application the collective cost, and
+    the memory estimate. `price` costs the same plan with some values laid out
+    otherwise: only the applications around them are priced again, and ``moved`` says
+    whether those applications gather more than before (the new layout is then a
+    storage layout, gathered again for its use or its results). `keep` makes such a change
+    part of the plan."""
+
+    def __init__(
+        self, prop: Propagator, live, runs: list[int], apps: list[int], reduce_scatter: bool
+    ):
+        g = prop.graph
+        self.reduce_scatter = reduce_scatter
+        final = prop.fork()
+        final.default(g.in_vids, UNREACHED)
+        final.default(range(len(g.shapes)), UNREACHED)
+        self.final, self.runs, self.apps = final, runs, set(apps)
+        # per application (cost, gathered bytes), priced when first needed
+        self.costs: dict[int, tuple[float, float]] = {}
+        self._cost: float | None = None
+        tied = dict((g.out_vids[o], g.in_vids[i]) for i, o in g.ties)
+        sources = [tied.get(v, v) for v in g.out_vids]
+        self.memory = MemoryCurve(g, final.state.dims, prop.axis_sizes, sources, live)
+
+    @property
+    def cost(self) -> float:
+        """The plan's collective cost (every application priced once, on first use)."""
+        if self._cost is None:
+            self._cost = sum(self._app(a)[0] for a in self.apps)
+        return self._cost
+
+    def _app(self, a: int) -> tuple[float, float]:
+        found = self.costs.get(a)
+        if found is None:
+            found = self.costs[a] = _app_cost(self.final, a, self.runs[a], self.reduce_scatter)
+        return found
+
+    def price(self, changed: dict[int, list[DimSharding]]) -> tuple[float, int, bool, dict]:
+        """``(extra collective cost, memory, moved, per-application costs)`` with the
+        values in ``changed`` laid out as given there."""
+        dims = self.final.state.dims
+        touched = {a for v in changed for a in self.final.uses[v] if a in self.apps}
+        before = {a: self._app(a) for a in touched}
+        old = {v: dims[v] for v in changed}
+        costs = {}
+        try:
+            for v, new in changed.items():
+                dims[v] = new
+            for a in touched:
+                costs[a] = _app_cost(self.final, a, self.runs[a], self.reduce_scatter)
+        finally:
+            for v, d in old.items():
+                dims[v] = d
+        extra = sum(c[0] - before[a][0] for a, c in costs.items())
+        moved = sum(c[1] - before[a][1] for a, c in costs.items()) > 0
+        return extra, self.memory.total_with(changed), moved, costs
+
+    def settled_changes(self, prop: Propagator) -> dict[int, list[DimSharding]]:
+        """The values whose layout differs from this plan's once ``prop`` (this plan's
+        propagation with a decision added) is settled as `decide` settles it."""
+        g = prop.graph
+        final = prop.fork()
+        final.default(g.in_vids, UNREACHED)
+        final.default(range(len(g.shapes)), UNREACHED)
+        now, old = final.state.dims, self.final.state.dims
+        return {v: now[v] for v in range(len(now)) if now[v] != old[v]}
+
+    def keep(
+        self, changed: dict[int, list[DimSharding]], costs: dict[int, tuple[float, float]]
+    ) -> None:
+        """Make a priced change part of the plan."""
+        dims = self.final.state.dims
+        for v, new in changed.items():
+            dims[v] = new
+        self.cost  # noqa: B018 - the total before the change, then moved by the delta
+        self._cost += sum(c[0] - self._app(a)[0] for a, c in costs.items())
+        self.costs.update(costs)
+        self.memory.update(changed)
+
+
+def _app_cost(prop: Propagator, a: int, runs: int, reduce_scatter: bool) -> tuple[float, float]:
+    """The collective cost of application ``a`` run ``runs`` times per call (bytes per
+    device, or seconds under the propagator's cost model), and the bytes of it that
+    gather or rearrange a layout (all-gathers, all-to-alls) rather than sum partials."""
+    if prop.settled(a):
+        return 0.0, 0.0
+    total = gathered = 0.0
+    g, sizes = prop.graph, prop.axis_sizes
+    for vid, src, dst, partial in app_moves(prop, sizes, a)[0]:
+        steps = reshard_collectives(
+            g.shapes[vid], g.dtypes[vid], src, dst, sizes, partial, reduce_scatter
+        )
+        for step in steps:
+            if prop.cost_model is None:
+                total += step.bytes * runs
+            else:
+                total += prop.cost_model.collective_time(step.axes, step.bytes) * runs
+            if step.kind in ("all-gather", "all-to-all"):
+                gathered += step.bytes * runs
+    return total, gathered
+
+
+def split_for_memory(
+    graph: Graph, prop: Propagator, reduce_scatter: bool = True
+) -> list[tuple[int, Pin]]:
+    """Split large state no hint pinned where that saves memory for few more bytes.
+
+    After propagation a parameter (or optimizer state) that no hint pinned may have open
+    dims, and `decide` would replicate them: every device then holds the whole of it, its
+    optimizer state and its new value (an embedding table and the output head, the
+    largest weights of a language model, under tensor-parallel hints on the blocks).
+    For each such leaf holding at least `MEMORY_SHARE` of the arguments' memory,
+    largest first, each way of splitting one open dim over one mesh axis it does not
+    use yet is propagated and priced like the rest of the plan: the collectives it
+    changes (`app_moves`, times their executions) and the memory estimate
+    (`jaxshard.cost.memory_estimate`). The split that saves the most memory is kept
+    when it saves some, all kept splits together add at most `COST_ALLOWANCE` of the
+    plan's collective cost, the leaf is used in its split layout (a split its uses
+    gather again is a storage layout, FSDP, whose gathered copies the memory estimate
+    does not see: those come from hints or the search), and no leaf a hint pinned
+    changes. A vocabulary-parallel head and embedding pass: splitting the head's
+    vocabulary dim shards the logits and their softmax for a few all-reduces of
+    per-token scalars, and a lookup in a split table is summed once per token instead
+    of the table's gradient once per step. ``reduce_scatter``: whether the backend has
+    one (`jaxshard.cost.has_reduce_scatter`). Returns the ``(value, pin)`` kept;
+    their origin names the memory saved and the cost.
+
+    Example:
+        >>> split_for_memory(graph, prop)  # doctest: +SKIP
+        [(3, Pin(dims=(('model',), None), source='split to save memory: ...'))]
+    """
+    sizes = prop.axis_sizes
+    state = dict.fromkeys(graph.in_vids[i] for i, _ in graph.ties)
+    dims = prop.state.dims
+    open_state = [
+        v
+        for v in state
+        if v not in prop.hinted and None in dims[v] and _split_options(graph, dims, v, sizes)
+    ]
+    if not open_state:
+        return []
+
+    # the arguments alone (open dims replicated) bound the plan's memory from below
+    floor = MEMORY_SHARE * sum(
+        per_device_bytes(graph.shapes[v], graph.dtypes[v], dims[v], sizes)
+        for v in set(graph.in_vids)
+    )
+    big = sorted(
+        (v for v in open_state if nbytes(graph.shapes[v], graph.dtypes[v]) >= floor),
+        key=lambda v: -nbytes(graph.shapes[v], graph.dtypes[v]),
+    )
+    if not big:
+        return []
+    dead = dead_apps(graph)
+    live, runs = liveness(graph, dead), executions(graph)
+    seen: set = set()
+    apps = [a for a, app in enumerate(graph.apps) if a not in dead and not duplicate_app(app, seen)]
+    base = _Pricing(prop, live, runs, apps, reduce_scatter)
+    spent, memory = 0.0, base.memory.total
+    hinted = set(prop.hinted)  # the user's leaves keep their layout, open dims included
+    kept = []
+    for vid in big:
+        if None not in dims[vid]:
+            continue  # a split kept before reached it
+        options = []
+        for d, axis in _split_options(graph, dims, vid, sizes):
+            pin = Pin(tuple((axis,) if i == d else None for i in range(len(dims[vid]))), "")
+            with prop.trying() as written:  # first priced as propagation leaves it
+                prop.pin(vid, pin, DEFAULT_RANK)
+                prop.run()
+                changed = {
+                    v: [() if x is None else x for x in dims[v]]
+                    for v in dict.fromkeys(v for v, *_ in written)
+                }
+            if not hinted.isdisjoint(changed):
+                continue  # it would change a leaf the user pinned
+            extra, total, moved, _ = base.price(changed)
+            if not moved and total < memory and spent + extra <= COST_ALLOWANCE * base.cost:
+                options.append((total, d, axis, pin))
+        best = None
+        for _, _, _, pin in sorted(options):  # then as `decide` would settle it
+            with prop.trying():
+                prop.pin(vid, pin, DEFAULT_RANK)
+                prop.run()
+                changed = base.settled_changes(prop)
+            if not hinted.isdisjoint(changed):
+                continue
+            extra, total, moved, costs = base.price(changed)
+            if not moved and total < memory and spent + extra <= COST_ALLOWANCE * base.cost:
+                best = (extra, total, pin, changed, costs)
+                break
+        if best is None:
+            continue
+        extra, total, pin, changed, costs = best
+        shown = f"{extra:.0f} B" if prop.cost_model is None else f"{extra * 1e6:.2f} µs"
+        pin = Pin(pin.dims, f"split to save memory: {human_bytes(memory - total)} less per "
+                            f"device for {shown} more collectives per step")  # fmt: skip
+        prop.pin(vid, pin, DEFAULT_RANK)
+        prop.run()
+        kept.append((vid, pin))
+        spent += extra
+        base.keep(changed, costs)
+        memory = total
+    return kept
+
+
+def _split_options(graph: Graph, dims, vid: int, sizes: Mapping[str, int]) -> list[tuple[int, str]]:
+    """``(dim, mesh axis)`` for each open dim of ``vid`` and each mesh axis of size > 1 it
+    does not use yet that divides the dim."""
+    used = {x for d in dims[vid] if d for x in d}
+    shape = graph.shapes[vid]
+    return [
+        (d, x)
+        for d, have in enumerate(dims[vid])
+        if have is None
+        for x, n in sizes.items()
+        if n > 1 and x not in used and shape[d] % n == 0
+    ]
 
 
 def split_storage(pins: Mapping[int, Pin], graph: Graph) -> tuple[dict[int, Pin], dict[int, Pin]]:

@@ -19,7 +19,8 @@ policy, and the factors that lose keep their other axes.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
@@ -159,12 +160,61 @@ class Propagator:
         total_dims = sum(len(s) for s in graph.shapes)  # visits a fixed point can need
         self._bound = len(graph.apps) + sum(len(u) for u in self.uses) * 2 + total_dims + 16
         self.hinted: set[int] = set()
+        self._journal: list | None = None  # while `trying`: (value, dim, old axes, old origin)
         self._queue: deque[int] = deque()
         self._queued = bytearray(len(graph.apps))
         axis_sizes = self.axis_sizes  # not self: a cycle would keep the whole state alive
         self._split = lru_cache(maxsize=None)(  # until the next full garbage collection
             lambda axes, sizes: split_axes(axes, sizes, axis_sizes)
         )
+
+    def fork(self) -> Propagator:
+        """A copy whose layouts can change without touching this one (the graph and the
+        rules' indexes are shared): for trying a decision and keeping it or not.
+
+        Example:
+            >>> trial = prop.fork()  # doctest: +SKIP
+            >>> trial.pin(vid, pin); trial.run()  # doctest: +SKIP
+        """
+        other = object.__new__(Propagator)
+        other.__dict__.update(self.__dict__)
+        state = self.state
+        other.state = State(
+            [list(d) for d in state.dims],
+            [list(o) for o in state.origins],
+            dict(state.conflicts),
+            state.visits,
+        )
+        other.hinted = set(self.hinted)
+        other._queue = deque(self._queue)
+        other._queued = bytearray(self._queued)
+        return other
+
+    @contextmanager
+    def trying(self) -> Iterator[list[tuple[int, int, DimSharding, Origin | None]]]:
+        """Pin and propagate a decision tentatively: every write inside the block is
+        journaled (``(value, dim, old axes, old origin)``, yielded) and undone on exit,
+        with the conflicts it recorded.
+
+        Example:
+            >>> with prop.trying() as written:  # doctest: +SKIP
+            ...     prop.pin(vid, pin); prop.run()
+            ...     reached = {v for v, *_ in written}
+        """
+        journal: list = []
+        self._journal = journal
+        conflicts, hinted, visits = dict(self.state.conflicts), set(self.hinted), self.state.visits
+        try:
+            yield journal
+        finally:
+            self._journal = None
+            dims, origins = self.state.dims, self.state.origins
+            for vid, d, axes, origin in reversed(journal):
+                dims[vid][d] = axes
+                origins[vid][d] = origin
+            self.state.conflicts, self.hinted, self.state.visits = conflicts, hinted, visits
+            self._queue.clear()
+            self._queued = bytearray(len(self._queued))
 
     # --- seeding -------------------------------------------------------------------
 
@@ -175,6 +225,8 @@ class Propagator:
         dims, origins = self.state.dims[vid], self.state.origins[vid]
         self.hinted.add(vid)
         pinned = {ax for value in pin.dims if value for ax in value}
+        if self._journal is not None:
+            self._journal.extend((vid, d, dims[d], origins[d]) for d in range(len(dims)))
         for d, value in enumerate(pin.dims):
             if value is not None:
                 dims[d] = value
@@ -238,7 +290,7 @@ class Propagator:
         except a proposer that wrote exactly this sharding after a conflict-free visit
         without compound dims: visiting it again would find nothing new."""
         dims, origins, uses = self.state.dims, self.state.origins, self.uses
-        queued, queue = self._queued, self._queue
+        queued, queue, journal = self._queued, self._queue, self._journal
         for (vid, d), props in proposals.items():
             state = dims[vid]
             if state[d] is not None:
@@ -256,6 +308,8 @@ class Propagator:
                 if len(props) > 1 and origin.rank < HINT_RANK:  # agreeing proposals: the
                     found = [self._origin(p) for p in props[1:]]  # highest-ranked origin
                     origin = max([origin, *found], key=lambda o: o.rank)
+            if journal is not None:
+                journal.append((vid, d, None, origins[vid][d]))
             state[d] = axes
             origins[vid][d] = origin
             if len(props) == 1:

@@ -35,17 +35,21 @@ class FactorKind(enum.Enum):
 class Factor:
     """One named factor of a rule: its size, kind, and for a reduction how the partial
     results on different devices combine (``sum``, ``max``, ``min``, ``prod``, ``and``,
-    ``or``).
+    ``or``). An ``indexed`` reduction is a dim looked up by global indices (a gather's
+    table rows): each device finds only the rows it holds, which XLA's partitioner does
+    by shifting and masking the indices, so the operation run on a device's shard alone
+    is not its partial result.
 
     Example:
         >>> Factor("k", 64, FactorKind.REDUCTION)
-        Factor(name='k', size=64, kind=<FactorKind.REDUCTION: 'reduction'>, combine='sum')
+        Factor(name='k', size=64, kind=<FactorKind.REDUCTION: 'reduction'>, combine='sum', indexed=False)
     """
 
     name: str
     size: int
     kind: FactorKind = FactorKind.PASS
     combine: str = "sum"
+    indexed: bool = False
 
 
 Dims = tuple[tuple[int, ...], ...]  # per dim: factor indices, major to minor
@@ -135,10 +139,11 @@ class RuleBuilder:
         kind: FactorKind = FactorKind.PASS,
         name: str | None = None,
         combine: str = "sum",
+        indexed: bool = False,
     ) -> int:
         """Add a factor living in the given dims (appended as their minor-most factor)."""
         index = len(self._factors)
-        self._factors.append(Factor(name or _factor_name(index), size, kind, combine))
+        self._factors.append(Factor(name or _factor_name(index), size, kind, combine, indexed))
         for operand, dim in operand_dims.items():
             self._operands[operand][dim].append(index)
         for result, dim in result_dims.items():

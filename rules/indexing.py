@@ -2,11 +2,19 @@
 
 Gather: the indices' batch dims pass through to the result's batch dims, operand dims
 taken whole pass through to the result's offset dims, batching dims are shared by all
-three, and indexed operand dims are need-replication (a row may live on any device).
+three. An indexed operand dim the gather takes one element of (an embedding's vocabulary,
+the class dim of ``take_along_axis``) is a *reduction*: split, each device looks up the
+rows it holds, zeros for the others, and the partial results are summed — XLA's
+partitioner does exactly this (a masked local gather and an all-reduce of the result,
+the vocabulary-parallel embedding of Megatron). Other indexed dims (windows of several
+elements) are need-replication: a window may straddle devices.
 Scatter-add: the updates' scatter dims, shared with the indices, are *reductions* —
 each device adds its local updates into the whole operand and the partial sums are
 combined — which is the data-parallel gradient of an embedding lookup. Other scatters
-cannot combine duplicates across devices, so those dims are need-replication.
+cannot combine duplicates across devices, so those dims are need-replication. An indexed
+operand dim the scatter writes one element of passes through to the result: split, each
+device applies the updates that land in its rows and drops the rest, with no
+communication (the gradient of a vocabulary-parallel embedding).
 """
 
 from __future__ import annotations
@@ -22,14 +30,16 @@ NEED = FactorKind.NEED_REPLICATION
 
 @register_rule(p.gather_p)
 def gather_rule(eqn: JaxprEqn) -> Rule:
-    """Embedding lookup ``table[ids]``: ``([v, d], [b, s, 1])->([b, s, d])``, v need-replication.
+    """Embedding lookup ``table[ids]``: ``([v, d], [b, s, 1])->([b, s, d])``, v a
+    reduction (one row per index: a split table gives partial lookups to sum).
 
     Example:
         >>> import jax, jax.numpy as jnp
         >>> f = lambda table, ids: table[ids]
         >>> eqn = jax.make_jaxpr(f)(jnp.ones((16, 4)), jnp.zeros((2, 3), int)).eqns[-1]
         >>> print(gather_rule(eqn))
-        ([a, b], [c, d, e])->([c, d, b]) need_replication={a, e} {a=16, b=4, c=2, d=3, e=1}
+        ([a, b], [c, d, e])->([c, d, b]) reduction={a} need_replication={e}
+        {a=16, b=4, c=2, d=3, e=1}
     """
     dn = eqn.params["dimension_numbers"]
     slice_sizes = eqn.params["slice_sizes"]
@@ -53,6 +63,10 @@ def gather_rule(eqn: JaxprEqn) -> Rule:
             factor_of_index_dim[i] = b.add_factor({0: d, 1: i}, {0: out_of_index_dim[i]}, size)
         elif d in out_of_operand_dim and slice_sizes[d] == size and d not in dn.start_index_map:
             b.add_factor({0: d}, {0: out_of_operand_dim[d]}, size)
+        elif slice_sizes[d] == 1 and size > 1:
+            b.add_factor({0: d}, {}, size, FactorKind.REDUCTION, indexed=True)
+            if d in out_of_operand_dim:
+                b.add_factor({}, {0: out_of_operand_dim[d]}, 1)
         else:
             b.add_factor({0: d}, {}, size, NEED)
             if d in out_of_operand_dim:
@@ -65,9 +79,10 @@ def gather_rule(eqn: JaxprEqn) -> Rule:
 
 
 def scatter_rule(eqn: JaxprEqn, combinable: bool) -> Rule:
-    """Operand dims pass to the result (indexed ones need-replication); update window dims
-    taken whole share the operand's factor; update scatter dims share the indices' batch
-    dims and are reductions when duplicates combine by addition.
+    """Operand dims pass to the result (indexed ones written one element at a time too;
+    other indexed ones need-replication); update window dims taken whole share the
+    operand's factor; update scatter dims share the indices' batch dims and are
+    reductions when duplicates combine by addition.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -75,7 +90,7 @@ def scatter_rule(eqn: JaxprEqn, combinable: bool) -> Rule:
         >>> args = jnp.ones((16, 4)), jnp.zeros((2, 3), int), jnp.ones((2, 3, 4))
         >>> eqn = jax.make_jaxpr(f)(*args).eqns[-1]
         >>> print(scatter_rule(eqn, combinable=True))
-        ([a, b], [c, d, e], [c, d, b])->([a, b]) reduction={c, d} need_replication={a, e}
+        ([a, b], [c, d, e], [c, d, b])->([a, b]) reduction={c, d} need_replication={e}
         {a=16, b=4, c=2, d=3, e=1}
     """
     dn = eqn.params["dimension_numbers"]
@@ -104,6 +119,12 @@ def scatter_rule(eqn: JaxprEqn, combinable: bool) -> Rule:
             and d not in indexed
         ):
             b.add_factor({0: d, 2: update_of_operand_dim[d]}, {0: d}, size)
+        elif d in indexed and (
+            d not in update_of_operand_dim or updates[update_of_operand_dim[d]] == 1
+        ):
+            b.add_factor({0: d}, {0: d}, size)  # one element per index: rows stay put
+            if d in update_of_operand_dim:
+                b.add_factor({2: update_of_operand_dim[d]}, {}, 1)
         else:
             b.add_factor({0: d}, {0: d}, size, NEED)
             if d in update_of_operand_dim:

@@ -123,7 +123,7 @@ CASES = [
         lambda t, i: t[i],
         (jnp.ones((16, 4)), jnp.zeros((2, 3), int)),
         "gather",
-        "([a, b], [c, d, e])->([c, d, b]) need_replication={a, e} {a=16, b=4, c=2, d=3, e=1}",
+        "([a, b], [c, d, e])->([c, d, b]) reduction={a} need_replication={e} {a=16, b=4, c=2, d=3, e=1}",
     ),
     (
         "slice",
