@@ -470,7 +470,10 @@ def test_fsdp_hint_on_the_batch_axis_is_a_storage_layout(mesh):
         return jax.tree.map(lambda w, g: w - 0.1 * g, params, grads)
 
     w = np.linspace(-1, 1, 12 * 16, dtype=np.float32).reshape(12, 16)
-    x = np.linspace(-2, 2, 8 * 12, dtype=np.float32).reshape(8, 12)
+    # a batch larger than the weight, as FSDP is for: gathering the batch instead would
+    # move more bytes than gathering the weight (with a smaller batch the planner rightly
+    # computes in the weight's layout)
+    x = np.linspace(-2, 2, 64 * 12, dtype=np.float32).reshape(64, 12)
     hints = {"batch/x": P("data"), "params/w": P(None, "data")}
     step = jaxshard.auto_shard(mesh, hints)(sgd)
     plan = step.plan({"w": w}, {"x": x})
