@@ -217,7 +217,9 @@ def pinned_values(plan: Plan) -> set[int]:
 def operands_at_use(plan: Plan) -> dict[int, dict[int, tuple]]:
     """The layouts operands are moved to at their use: per equation (named by the value
     of its first result), ``{operand value: the layout the equation works in}``, for
-    every predicted reshard of an operand and every repeat of one (`Plan.repeats`).
+    every predicted reshard of an operand. A repeat of one (`Plan.repeats`) gets no copy
+    of its own: constraining it too made XLA keep the first copy alive until the second
+    use (a gathered weight from the forward pass to the backward), which costs memory.
 
     The lowered program constrains a copy of the operand to this layout right before the
     equation, so the collective the plan priced is the one XLA runs. Left to itself, XLA's
@@ -232,14 +234,12 @@ def operands_at_use(plan: Plan) -> dict[int, dict[int, tuple]]:
     """
     g = plan.graph
     found: dict[int, dict[int, tuple]] = {}
+    again = {(a, vid) for a, vid, _ in plan.repeats}
     for r in plan.reshards:
         app = g.apps[r.app]
-        if app.kind != "eqn" or r.vid in app.results or not app.results:
+        if app.kind != "eqn" or r.vid in app.results or not app.results or (r.app, r.vid) in again:
             continue
         found.setdefault(app.results[0], {})[r.vid] = r.dst
-    for a, vid, dst in plan.repeats:  # the same copy again: XLA makes it once
-        if g.apps[a].kind == "eqn" and g.apps[a].results:
-            found.setdefault(g.apps[a].results[0], {})[vid] = dst
     return found
 
 

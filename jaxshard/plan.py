@@ -111,7 +111,7 @@ class Plan:
     arguments ``(args, kwargs)``... see `in_specs`), ``reshards``, ``slices`` (the
     ``(application, value)`` pairs where a value is cut to a finer layout for its use, no
     collective needed), ``repeats`` (``(application, value, layout)`` where an operand
-    moves to a layout an earlier use already moved it to: moved once), ``conflicts``, and
+    moves to a layout an earlier use already moved it to: moved again), ``conflicts``, and
     ``search_result``: the `jaxshard.search.SearchResult` of the search that chose this
     plan's layouts (None for a plan made from hints alone).
     """
@@ -168,13 +168,12 @@ class Plan:
 
     def _move_operand(self, a: int, vid: int, dst: tuple[DimSharding, ...]) -> None:
         """Operand ``vid`` of application ``a`` moves to ``dst``. The lowered program
-        constrains a copy of it at each use, and XLA merges identical copies of one value
-        (common-subexpression elimination: a weight gathered for the forward pass and
-        again for its rematerialization is gathered once), so a move repeated within one
-        scope costs nothing more: it is a repeat, not a reshard."""
+        constrains a copy of it at its first use only: a copy at every use would be
+        merged by XLA into one (a weight gathered for the forward pass kept alive until
+        its rematerialization or backward use: memory), so a later use moves it again,
+        as XLA then does, and is priced again; ``repeats`` records those later uses."""
         if (vid, dst) in self._moved:
             self.repeats.append((a, vid, dst))
-            return
         self._moved.add((vid, dst))
         self._add_reshard(a, vid, self.dims[vid], dst, frozenset())
 
