@@ -157,18 +157,31 @@ def report(rows, w) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def command_line(argv, doc: str) -> bool:
+    """Parse ``--quick`` for a 64-device benchmark module; True when given."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small Llama, same mesh")
-    args = parser.parse_args(argv)
-    rows, w = run(quick=args.quick, log=lambda s: print(s, file=sys.stderr, flush=True))
-    text = report(rows, w)
+    return parser.parse_args(argv).quick
+
+
+def write_result(name: str, text: str, quick: bool) -> None:
+    """Write ``results/[quick/]<name>.md`` and print it."""
     here = os.path.dirname(os.path.abspath(__file__))
-    out = os.path.join(here, "results", "quick" if args.quick else "")
+    out = os.path.join(here, "results", "quick" if quick else "")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "pipeline.md"), "w") as f:
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(text)
     print(text)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> None:
+    quick = command_line(argv, __doc__)
+    rows, w = run(quick=quick, log=log)
+    write_result("pipeline", report(rows, w), quick)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,6 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_force_host_platform_device_count=64"
 ).strip()
 
-import argparse  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -34,7 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxshard  # noqa: E402
 from benchmarks import layouts  # noqa: E402
-from benchmarks.pipeline import llama_8b  # noqa: E402
+from benchmarks.pipeline import command_line, llama_8b, log, write_result  # noqa: E402
 from benchmarks.quality import expert_layout  # noqa: E402
 from jaxshard.baseline import compiled_cost  # noqa: E402
 from jaxshard.cost import human_bytes  # noqa: E402
@@ -109,17 +107,9 @@ def report(rows, w, budget: float) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small Llama, same mesh")
-    args = parser.parse_args(argv)
-    rows, w = run(quick=args.quick, log=lambda s: print(s, file=sys.stderr, flush=True))
-    text = report(rows, w, BUDGET if not args.quick else 64 * 2**20)
-    here = os.path.dirname(os.path.abspath(__file__))
-    out = os.path.join(here, "results", "quick" if args.quick else "")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "scale.md"), "w") as f:
-        f.write(text)
-    print(text)
+    quick = command_line(argv, __doc__)
+    rows, w = run(quick=quick, log=log)
+    write_result("scale", report(rows, w, BUDGET if not quick else 64 * 2**20), quick)
 
 
 if __name__ == "__main__":
