@@ -236,7 +236,13 @@ def test_every_argument_is_drawn_on_the_mesh(rendered, gpt_plan):
         for m in range(4):
             assert wq[f"dev {devices[d, m].id}"] == (m, f"[:, {16 * m}:{16 * m + 16}]")
     assert blocks("params/layers/1/mlp/w2")[f"dev {devices[1, 3].id}"] == (3, "[192:256, :]")
-    assert {s for s, _ in blocks("params/head").values()} == {0}  # replicated: one colour
+    # a leaf the plan replicates is drawn in one colour, one split over "model" in four
+    names = dict(zip(gpt_plan.traced.in_names, gpt_plan.graph.in_vids))
+    specs = {n: gpt_plan.spec(v) for n, v in names.items() if n.startswith("params/")}
+    replicated = next(n for n, spec in specs.items() if all(e is None for e in spec))
+    assert {s for s, _ in blocks(replicated).values()} == {0}, replicated
+    split = next(n for n, spec in specs.items() if tuple(spec) in ((None, "model"), ("model",)))
+    assert len({s for s, _ in blocks(split).values()}) == 4, split
     assert blocks("batch/tok")[f"dev {devices[1, 2].id}"][1].startswith("[4:8")
 
 
