@@ -26,6 +26,11 @@ the 2x4 (data, model) mesh, with only the batch hinted (``batch/.*: P('data')``)
 - *search, no budget*: the least communication, whatever the memory;
 - *search, budget = 0.85 x Megatron*: a layout that fits, or the error naming the
   smallest footprint;
+- where the model is compiled, *search, budget = 0.85 x Megatron compiled*: the budget in
+  compiled bytes (0.85x Megatron's compiled memory), as a user sets one, searched with the
+  estimate alone and with ``calibrate_memory=True`` (the search compiles its plans and
+  rescales the budget until one fits in the compiled program; its *search s* includes
+  those compiles);
 - *Megatron TP + DP* and *Megatron + FSDP* (`benchmarks.layouts`): exact-path hints for
   every parameter (the optimizer state follows by propagation) plus the batch hint,
   planned by `jaxshard.make_plan`.
@@ -169,11 +174,14 @@ def reference_row(label, w, mesh, layout, compile_it) -> tuple[Row, float]:
     return row, row.estimated_memory
 
 
-def search_row(label, w, mesh, budget, compile_it, log, hints=BATCH, cost_model=None) -> Row:
+def search_row(
+    label, w, mesh, budget, compile_it, log, hints=BATCH, cost_model=None, calibrate=False
+) -> Row:
     row = Row(label)
     step = jaxshard.auto_shard(
-        mesh, hints, search=True, memory_budget=budget, cost_model=cost_model
-    )(w.step)
+        mesh, hints, search=True, memory_budget=budget, cost_model=cost_model,
+        calibrate_memory=calibrate,
+    )(w.step)  # fmt: skip
     t0 = time.perf_counter()
     try:
         step.plan(*w.args)
@@ -315,6 +323,14 @@ def run(quick: bool = False, compile_large: bool = False, log=print) -> str:
             megatron,
             fsdp,
         ]
+        if compile_it:  # a budget in compiled bytes, as a user sets one
+            compiled = 0.85 * megatron.memory
+            rows[3:3] = [
+                search_row("search, budget = 0.85 x Megatron compiled", w, mesh, compiled,
+                           True, log),
+                search_row("search, budget = 0.85 x Megatron compiled, calibrate_memory", w,
+                           mesh, compiled, True, log, calibrate=True),
+            ]  # fmt: skip
         layers = getattr(w.cfg, "n_layers", 1)
         tables.append(table(w, layers, equations, rows, megatron))
         log(tables[-1])

@@ -94,6 +94,7 @@ class Options:
     memory_budget: float | None = None
     cost_model: CostModel | None = None
     search_time_limit: float = 30.0
+    calibrate_memory: bool = False
     static_leaves: bool = False
     pipeline: Pipeline | None = None
 
@@ -118,6 +119,13 @@ class Options:
         _check_search_options(
             self.search, self.memory_budget, self.cost_model, self.search_time_limit, self.plan
         )
+        if not isinstance(self.calibrate_memory, bool):
+            raise ShardingError(f"calibrate_memory is True or False, got {self.calibrate_memory!r}")
+        if self.calibrate_memory and self.memory_budget is None:
+            raise ShardingError(
+                "calibrate_memory=True checks the search's plan against memory_budget in the "
+                "compiled program: give memory_budget (bytes per device) with it"
+            )
         if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
             raise ShardingError(
                 f"pipeline= takes a jaxshard.Pipeline(axis=..., microbatches=...), got "
@@ -163,6 +171,7 @@ class AutoShard:
         self.saved_plan = options.plan
         self.search, self.memory_budget = options.search, options.memory_budget
         self.cost_model, self.search_time_limit = options.cost_model, options.search_time_limit
+        self.calibrate_memory = options.calibrate_memory
         self._latest: Plan | None = None  # the plan made last, for `search_result`
         self.static_leaves = options.static_leaves
         self.pipeline = options.pipeline
@@ -335,6 +344,7 @@ class AutoShard:
                 memory_budget=self.memory_budget,
                 time_limit=self.search_time_limit,
                 cost_model=self.cost_model,
+                calibrate_memory=self.calibrate_memory,
             )
             return result.plan
         return make_plan(
@@ -600,7 +610,12 @@ def auto_shard(
     integer program (`jaxshard.search.search_hints`): least estimated communication time
     per step under ``cost_model`` (a `jaxshard.CostModel`; per mesh axis bandwidth and
     latency), with per-device memory at most ``memory_budget`` bytes when given (a budget
-    no layout meets is an error naming the smallest footprint). The search stops after
+    no layout meets is an error naming the smallest footprint). The budget is compared with
+    jaxshard's estimate of memory, a few percent off XLA's either way; with
+    ``calibrate_memory=True`` the search compiles its plan and searches again with the
+    budget rescaled by the compiled program's memory over the estimate (up to four
+    compiles while planning), so that the budget holds in the compiled program and is not
+    wasted. The search stops after
     ``search_time_limit`` seconds with the best layout found and a warning; long searches
     print progress to stderr. Each plan's ``search_result`` explains its search (the
     wrapper's ``search_result`` is the latest plan's).

@@ -476,7 +476,13 @@ class Lowered:
         with jax.set_mesh(self.mesh):
             return self.jitted(*flat_args)
 
-    def lower(self, flat_args):
-        """`jax.jit(...).lower` of the program for these arguments (abstract ones work)."""
+    def lower(self, flat_args=None):
+        """`jax.jit(...).lower` of the program for these arguments (abstract ones work);
+        without them, for abstract arguments of the traced shapes in the planned layouts."""
+        if flat_args is None:
+            flat_args = [
+                jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                for a, s in zip(self.plan.traced.in_avals, self.in_shardings)
+            ]
         with jax.set_mesh(self.mesh):
             return self.jitted.lower(*flat_args)

@@ -9,7 +9,9 @@ full rematerialization, replication of a non-divisible dim) captured from its lo
 during the compile. Kind, mesh axes and bytes must agree, except for two ways XLA
 realizes the same transfer: a multi-axis collective one axis at a time, and a
 reduce-scatter as an all-reduce of its input. Both sides' bytes per device per call
-(ring volumes, as the cost model counts them) come with the result.
+(ring volumes, as the cost model counts them) come with the result, and the compiled
+program's per-device memory: over the memory budget of the search that made the plan,
+that is a surprise too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 
+from jaxshard.baseline import compiled_memory
 from jaxshard.cost import human_bytes, nbytes, shards
 from jaxshard.hlo import (  # noqa: F401  (hlo_collectives and computation_runs: re-exported)
     Collective,
@@ -60,7 +63,8 @@ def _runs_total(collectives: list[Collective]) -> tuple[int, int]:
 class Verification:
     """What `verify` found: predicted and compiled collectives, every surprise, and both
     sides' bytes per device per call (ring volumes, loop bodies times their trip counts;
-    a loop of unknown trip count counts once, and ``unknown_trips`` says how many)."""
+    a loop of unknown trip count counts once, and ``unknown_trips`` says how many), and
+    the compiled program's per-device memory with the search's budget, if any."""
 
     predicted: list[Collective]
     found: list[Collective]
@@ -70,6 +74,8 @@ class Verification:
     predicted_bytes: float = 0.0
     compiled_bytes: float = 0.0
     unknown_trips: int = 0
+    compiled_memory: int | None = None
+    memory_budget: float | None = None
 
     @property
     def surprises(self) -> list[str]:
@@ -78,7 +84,21 @@ class Verification:
             [f"not predicted: {c}" for c in self.unpredicted]
             + [f"predicted but missing: {c}" for c in self.missing]
             + [f"XLA warning: {w}" for w in self.xla_warnings]
+            + self._over_budget()
         )
+
+    def _over_budget(self) -> list[str]:
+        if self.memory_budget is None or self.compiled_memory is None:
+            return []
+        if self.compiled_memory <= self.memory_budget:
+            return []
+        return [
+            f"over the memory budget: the compiled program needs "
+            f"{human_bytes(self.compiled_memory)} per device, the budget is "
+            f"{human_bytes(self.memory_budget)} (the search's estimate was lower); search "
+            "with calibrate_memory=True to check the plan against its compiled program, or "
+            "lower memory_budget"
+        ]
 
     @property
     def ok(self) -> bool:
@@ -231,26 +251,22 @@ def verify(plan, lowered=None) -> Verification:
         >>> result.ok, result.surprises  # doctest: +SKIP
         (True, [])
     """
-    import jax
-
     if lowered is None:
-        program = Lowered(plan)
-        avals = [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-            for a, s in zip(plan.traced.in_avals, program.in_shardings)
-        ]
-        lowered = program.lower(avals)
+        lowered = Lowered(plan).lower()
     with _captured_stderr() as log:
-        text = lowered.compile().as_text()
+        compiled = lowered.compile()
+        text = compiled.as_text()
     found = compiled_collectives(text, plan.mesh)
     predicted = predicted_collectives(plan)
     unpredicted, missing = _match(predicted, found, plan.axis_sizes)
     warnings = [line.strip() for line in log if _WARNINGS.search(line)]
     compiled_bytes = sum(c.ring_bytes * (1 if c.runs is None else c.runs) for c in found)
     unknown = len({c for c in found if c.runs is None})
+    searched = getattr(plan, "search_result", None)
     return Verification(
         predicted, found, unpredicted, missing, warnings,
-        plan.predicted_bytes, compiled_bytes, unknown,
+        plan.predicted_bytes, compiled_bytes, unknown, compiled_memory(compiled),
+        None if searched is None else searched.memory_budget,
     )  # fmt: skip
 
 

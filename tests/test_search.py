@@ -1,7 +1,8 @@
 """Fully automatic search (`jaxshard.search`): on a tiny 2-layer GPT AdamW step with only
 the batch hinted, the search matches or beats the hand-written Megatron layout, honours
-memory budgets (a fitting layout, or an error naming the smallest footprint) and time
-limits, and gives every layer the same decision. The cost model's time and memory
+memory budgets (a fitting layout, or an error naming the smallest footprint; with
+``calibrate_memory`` in the compiled program) and time limits, and gives every layer the
+same decision. The cost model's time and memory
 pieces are checked on their own."""
 
 import functools
@@ -17,11 +18,13 @@ from helpers import assert_leaves_match
 from jax.sharding import PartitionSpec as P
 
 import jaxshard
+from jaxshard.baseline import compiled_memory
 from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes
 from jaxshard.plan import dead_apps
 from jaxshard.search import group_key, search_hints, solver
 from jaxshard.search.memory import fused_liveness
 from jaxshard.trace import arg_names
+from jaxshard.verify import verify
 
 BATCH = {r"batch/.*": P("data")}
 MEGATRON = [  # tensor parallel on "model" (column then row parallel), vocab parallel ends
@@ -276,6 +279,8 @@ def test_auto_shard_memory_budget_is_honoured_or_names_the_smallest_footprint(gp
         ({"search": True, "memory_budget": -1}, "bytes per device, a positive number"),
         ({"search": True, "search_time_limit": 0}, "seconds, a positive number"),
         ({"cost_model": {"data": 1e9}}, "must be a jaxshard.CostModel"),
+        ({"search": True, "calibrate_memory": True}, "give memory_budget"),
+        ({"search": True, "memory_budget": 2**30, "calibrate_memory": 1}, "True or False"),
     ],
 )
 def test_bad_search_options_are_rejected(mesh, options, error):
@@ -378,3 +383,51 @@ def test_a_tight_budget_stores_parameters_on_the_batchs_axis(gpt, mesh, megatron
     v = plan.graph.in_vids[arg_names(step, args, {})[0].index("params/layers/0/mlp/w1")]
     assert tuple(plan.dims[v]) == tuple(() if e is None else (e,) if isinstance(e, str)
                                         else tuple(e) for e in w1)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama(mesh):
+    """A 2-layer Llama (layers under lax.scan) AdamW step, its abstract arguments, and the
+    compiled memory of the plan from the batch hint alone: a model whose memory jaxshard's
+    estimate under-counts (XLA's loop buffers)."""
+    cfg = models.LlamaConfig()
+    opt = optax.adamw(1e-3)
+    params = jax.eval_shape(lambda: models.init_llama(jax.random.key(0), cfg))
+    args = (
+        params,
+        jax.eval_shape(opt.init, params),
+        jax.eval_shape(lambda: models.make_batch_llama(jax.random.key(1), cfg)),
+    )
+    step = models.make_train_step(functools.partial(models.llama_loss, cfg=cfg), opt)
+    full = compiled_memory(jaxshard.auto_shard(mesh, BATCH)(step).lower(*args).compile())
+    return step, args, full
+
+
+def test_calibrated_budget_holds_in_the_compiled_program(llama, mesh):
+    step, args, full = llama
+    budget = 0.7 * full
+    searched = jaxshard.auto_shard(
+        mesh, BATCH, search=True, memory_budget=budget, calibrate_memory=True
+    )(step)
+    result = searched.plan(*args).search_result
+    compiled = compiled_memory(searched.lower(*args).compile())
+    assert result.compiled_memory == compiled <= budget
+    assert "checked by the search" in result.explanation
+    checked = verify(result.plan)
+    assert checked.compiled_memory == compiled
+    assert not any("memory budget" in s for s in checked.surprises)
+
+
+def test_a_plan_over_its_budget_once_compiled_is_reported_or_refused(llama, mesh):
+    step, args, full = llama
+    budget = 0.6 * full  # the estimate fits it; the compiled program does not
+    plan = jaxshard.auto_shard(mesh, BATCH, search=True, memory_budget=budget)(step).plan(*args)
+    assert plan.search_result.memory_bytes <= budget
+    checked = verify(plan)
+    assert checked.compiled_memory > budget
+    assert any("over the memory budget" in s for s in checked.surprises), checked.surprises
+    calibrated = jaxshard.auto_shard(
+        mesh, BATCH, search=True, memory_budget=budget, calibrate_memory=True
+    )(step)
+    with pytest.raises(jaxshard.ShardingError, match=r"in the compiled program: the smallest"):
+        calibrated.plan(*args)

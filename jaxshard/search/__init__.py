@@ -44,8 +44,10 @@ from collections.abc import Callable, Mapping
 
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxshard.baseline import compiled_memory
 from jaxshard.cost import CostModel, MemoryEstimate, human_bytes, step_bytes
-from jaxshard.errors import warn
+from jaxshard.errors import ShardingError, warn
+from jaxshard.lower import Lowered
 from jaxshard.plan import Plan, gc_paused, plan_from_graph, trace_graph
 from jaxshard.search.problem import US, Problem, group_key
 from jaxshard.search.result import SearchResult, raise_over_budget
@@ -65,6 +67,7 @@ def search_hints(
     time_limit: float = 30.0,
     cost_model: CostModel | None = None,
     progress: Callable[[str], None] | None = None,
+    calibrate_memory: bool = False,
 ) -> SearchResult:
     """Choose PartitionSpecs for every argument leaf ``hints`` leave free.
 
@@ -76,7 +79,11 @@ def search_hints(
     found (``optimal=False``) with a `JaxshardWarning` that says so. ``progress``
     receives one line per stage and per improved solution; by default the lines go to
     stderr once the search has run for 5 s, so only long searches show them. A budget
-    no layout meets raises `ShardingError` naming the smallest footprint found.
+    no layout meets raises `ShardingError` naming the smallest footprint found. With
+    ``calibrate_memory`` (and a budget) the search compiles its plan and, where the
+    compiled program's memory differs from the estimate, searches again with the budget
+    rescaled by their ratio (at most four compiles), keeping the plan that moves
+    the fewest bytes among those whose compiled memory fits the budget.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -121,32 +128,44 @@ def search_hints(
             tried.append((memory, plan, choice))
             return plan, memory
 
-        for _ in range(3):  # propagation may need more memory than the model said: retry
-            try:
-                choice, optimal, status = solve(problem, t0, time_limit, say)
-            except Infeasible as e:
-                for smallest in e.choices:
-                    propagated(smallest)
-                memory, plan, choice = min(tried, key=lambda t: t[0].total)
-                if memory.total > memory_budget:
-                    raise_over_budget(problem, memory_budget, memory, plan)
-                optimal = False
-                status = "the smallest-memory layout: the model put every layout over budget"
-                break
-            plan, memory = propagated(choice)
-            say(f"propagated: {human_bytes(step_bytes(plan))} of collectives, "
-                f"{human_bytes(memory.total)} of memory per device "
-                f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
-            if memory_budget is None or memory.total <= memory_budget or not optimal:
-                break
-            modeled = problem.memory(choice).total
-            problem.budget *= min(modeled / memory.total, 0.999)
-            say(f"propagation needs {human_bytes(memory.total)}, the model said "
-                f"{human_bytes(modeled)}: searching again within "
-                f"{human_bytes(problem.budget)}")  # fmt: skip
-        else:
+        def settle(target: float | None, strict: bool = True):
+            """Solve, propagate, and solve again within a smaller budget while
+            propagation needs more memory than the model said (``target``: the budget in
+            the estimate's units). When no layout fits by the model, the smallest-memory
+            one: an error if ``strict`` and that is over ``target``."""
+            for _ in range(3):
+                try:
+                    choice, optimal, status = solve(problem, t0, time_limit, say)
+                except Infeasible as e:
+                    for smallest in e.choices:
+                        propagated(smallest)
+                    memory, plan, choice = min(tried, key=lambda t: t[0].total)
+                    if strict and memory.total > target:
+                        raise_over_budget(problem, memory_budget, memory, plan)
+                    status = "the smallest-memory layout: the model put every layout over budget"
+                    return plan, memory, choice, False, status
+                plan, memory = propagated(choice)
+                say(f"propagated: {human_bytes(step_bytes(plan))} of collectives, "
+                    f"{human_bytes(memory.total)} of memory per device "
+                    f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
+                if target is None or memory.total <= target or not optimal:
+                    return plan, memory, choice, optimal, status
+                modeled = problem.memory(choice).total
+                problem.budget *= min(modeled / memory.total, 0.999)
+                say(f"propagation needs {human_bytes(memory.total)}, the model said "
+                    f"{human_bytes(modeled)}: searching again within "
+                    f"{human_bytes(problem.budget)}")  # fmt: skip
             memory, plan, choice = min(tried, key=lambda t: t[0].total)
             raise_over_budget(problem, memory_budget, memory, plan)
+
+        calibrate = calibrate_memory and memory_budget is not None
+        # a budget the estimate puts out of reach may still fit once compiled
+        plan, memory, choice, optimal, status = settle(memory_budget, strict=not calibrate)
+        compiled = None
+        if calibrate:
+            plan, memory, choice, optimal, status, compiled = _calibrated(
+                problem, memory_budget, settle, (plan, memory, choice, optimal, status), say
+            )
     seconds = time.perf_counter() - t0
     if not optimal:
         warn(
@@ -155,12 +174,73 @@ def search_hints(
         )
     est_time, est_bytes = problem.comm(choice)
     text = problem.explain(choice, plan, memory, optimal, status, seconds)
+    if compiled is not None:
+        text += f"\ncompiled program: {compiled / 2**20:.2f} MiB per device (checked by the search)"
     result = SearchResult(
         problem.hints_for(choice), step_bytes(plan), memory.total, seconds, optimal, text,
-        est_bytes, est_time / US, memory, plan,
+        est_bytes, est_time / US, memory, plan, memory_budget, compiled,
     )  # fmt: skip
     plan.search_result = result
     return result
+
+
+COMPILES = 4  # the most compiles `calibrate_memory` makes
+
+
+def _calibrated(problem, budget: float, settle, first: tuple, say) -> tuple:
+    """Check the searched plan against its compiled program and search again with the
+    budget rescaled by the compiled program's memory over the estimate (``COMPILES`` at
+    most): the estimate misses XLA's fusion and buffer reuse by some percent either way,
+    and the compiled program decides whether a layout fits. Keeps the plan that moves
+    the fewest bytes among those whose compiled memory fits; raises when none does."""
+    found = first
+    checked = []  # (plan, memory, choice, optimal, status, compiled memory)
+    for attempt in range(COMPILES):
+        plan, memory = found[0], found[1]
+        compiled = compiled_memory(Lowered(plan).lower().compile())
+        checked.append((*found, compiled))
+        say(f"compiled: {human_bytes(compiled)} per device, estimated "
+            f"{human_bytes(memory.total)}, budget {human_bytes(budget)}")  # fmt: skip
+        if attempt == COMPILES - 1:
+            break
+        problem.budget = _next_target([(c[1].total, c[5]) for c in checked], budget)
+        try:
+            found = settle(problem.budget, strict=False)
+        except ShardingError:  # nothing fits the rescaled budget by the estimate
+            break
+        if any(found[2] == c[2] for c in checked):
+            break
+    fits = [c for c in checked if c[5] <= budget]
+    if not fits:
+        smallest = min(checked, key=lambda c: c[5])
+        raise ShardingError(
+            f"no layout fits the memory budget of {human_bytes(budget, 2)} per device in "
+            f"the compiled program: the smallest the search found needs "
+            f"{human_bytes(smallest[5], 2)} ({smallest[5]} bytes, compiled). Raise the "
+            "budget to at least that, use a larger mesh, or shrink the batch."
+        )
+    return min(fits, key=lambda c: (step_bytes(c[0]), c[5]))
+
+
+def _next_target(points: list[tuple[int, int]], budget: float) -> float:
+    """The next budget in the estimate's units, from the (estimated, compiled) memory of
+    the plans compiled so far: the secant through the last two where the compiled memory
+    moved with the estimate, else the last estimate scaled by budget over its compiled
+    memory; within half to twice the last estimate.
+
+    Example:
+        >>> _next_target([(100, 110)], 100.0)
+        90.9090909090909
+        >>> _next_target([(100, 110), (90, 108)], 100.0)
+        50.0
+    """
+    e1, c1 = points[-1]
+    target = e1 * budget / c1
+    if len(points) > 1:
+        e0, c0 = points[-2]
+        if (e1 - e0) * (c1 - c0) > 0:
+            target = e1 + (budget - c1) * (e1 - e0) / (c1 - c0)
+    return min(max(target, e1 / 2), e1 * 2)
 
 
 class _LateProgress:

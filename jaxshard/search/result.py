@@ -32,7 +32,9 @@ class SearchResult:
     ``estimated_bytes``/``estimated_seconds`` are the integer program's own estimate (the
     seconds of communication, plus compute when the cost model has ``flops``).
     ``optimal`` is False when the time limit stopped the solver (the best layout found
-    is returned). ``seconds`` is the wall time of the whole search.
+    is returned). ``seconds`` is the wall time of the whole search. ``memory_budget``
+    is the budget searched within; ``compiled_memory`` the compiled program's per-device
+    memory when the search checked it (``calibrate_memory``), else None.
     """
 
     hints: dict[str, PartitionSpec]
@@ -45,6 +47,8 @@ class SearchResult:
     estimated_seconds: float = 0.0
     memory: MemoryEstimate | None = None
     plan: Plan | None = field(default=None, repr=False)
+    memory_budget: float | None = None
+    compiled_memory: int | None = None
 
     def __str__(self) -> str:
         return self.explanation
