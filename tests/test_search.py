@@ -38,18 +38,24 @@ MEGATRON = [  # tensor parallel on "model" (column then row parallel), vocab par
 ]
 
 
-@pytest.fixture(scope="module")
-def gpt():
-    """A 2-layer GPT AdamW step and abstract arguments."""
-    cfg = models.GPTConfig()
+def abstract_step(name: str):
+    """An AdamW train step of the examples' tiny ``name`` model and abstract arguments."""
+    cfg_cls, init, loss, make_batch = models.MODELS[name]
+    cfg = cfg_cls()
     opt = optax.adamw(1e-3)
-    params = jax.eval_shape(lambda: models.init_gpt(jax.random.key(0), cfg))
+    params = jax.eval_shape(lambda: init(jax.random.key(0), cfg))
     args = (
         params,
         jax.eval_shape(opt.init, params),
-        jax.eval_shape(lambda: models.make_batch_gpt(jax.random.key(1), cfg)),
+        jax.eval_shape(lambda: make_batch(jax.random.key(1), cfg)),
     )
-    return models.make_train_step(functools.partial(models.gpt_loss, cfg=cfg), opt), args
+    return models.make_train_step(functools.partial(loss, cfg=cfg), opt), args
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    """A 2-layer GPT AdamW step and abstract arguments."""
+    return abstract_step("gpt")
 
 
 def exact_hints(step, args, rules):
@@ -390,15 +396,7 @@ def llama(mesh):
     """A 2-layer Llama (layers under lax.scan) AdamW step, its abstract arguments, and the
     compiled memory of the plan from the batch hint alone: a model whose memory jaxshard's
     estimate under-counts (XLA's loop buffers)."""
-    cfg = models.LlamaConfig()
-    opt = optax.adamw(1e-3)
-    params = jax.eval_shape(lambda: models.init_llama(jax.random.key(0), cfg))
-    args = (
-        params,
-        jax.eval_shape(opt.init, params),
-        jax.eval_shape(lambda: models.make_batch_llama(jax.random.key(1), cfg)),
-    )
-    step = models.make_train_step(functools.partial(models.llama_loss, cfg=cfg), opt)
+    step, args = abstract_step("llama")
     full = compiled_memory(jaxshard.auto_shard(mesh, BATCH)(step).lower(*args).compile())
     return step, args, full
 
