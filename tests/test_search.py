@@ -20,9 +20,10 @@ from jax.sharding import PartitionSpec as P
 import jaxshard
 from jaxshard.baseline import compiled_memory
 from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes
-from jaxshard.plan import dead_apps
+from jaxshard.plan import dead_apps, trace_graph
 from jaxshard.search import group_key, search_hints, solver
 from jaxshard.search.memory import fused_liveness
+from jaxshard.search.problem import Problem
 from jaxshard.trace import arg_names
 from jaxshard.verify import verify
 
@@ -389,6 +390,18 @@ def test_a_tight_budget_stores_parameters_on_the_batchs_axis(gpt, mesh, megatron
     v = plan.graph.in_vids[arg_names(step, args, {})[0].index("params/layers/0/mlp/w1")]
     assert tuple(plan.dims[v]) == tuple(() if e is None else (e,) if isinstance(e, str)
                                         else tuple(e) for e in w1)  # fmt: skip
+
+
+def test_only_contracted_parameters_may_be_stored_apart(gpt, mesh):
+    # a matmul weight is gathered at its use and its gradient reduce-scattered to the
+    # storage layout; an embedding table read by a lookup is not (its gradient scatters
+    # into the table's compute layout, and the optimizer update would follow it there)
+    step, args = gpt
+    traced, graph = trace_graph(step, args, {}, mesh)
+    problem = Problem(traced, graph, mesh, BATCH, CostModel(), 2**30)
+    names = traced.in_names
+    assert problem._gathered_at_uses(names.index("params/layers/0/mlp/w1"))
+    assert not problem._gathered_at_uses(names.index("params/wte"))
 
 
 @pytest.fixture(scope="module")

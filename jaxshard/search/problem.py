@@ -340,10 +340,12 @@ class Problem(MemoryModel):
         if i not in self.tied:
             return False
         uses = self._uses(self.graph.in_vids[i])
+        # an indexed reduction is a lookup (a gather's table dim), not a contraction
         return bool(uses) and all(
-            any(f.kind is FactorKind.REDUCTION for f in self.graph.apps[a].rule.factors)
+            any(f.kind is FactorKind.REDUCTION and not f.indexed
+                for f in self.graph.apps[a].rule.factors)
             for a in uses
-        )
+        )  # fmt: skip
 
     def _leaves_of(self, members) -> list[int]:
         """The argument leaves of the groups in ``members`` ((group, dim) pairs)."""
