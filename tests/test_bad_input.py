@@ -298,6 +298,33 @@ def test_static_leaves_that_is_not_a_bool(mesh, value):
         jaxshard.auto_shard(mesh, static_leaves=value)(lambda x: x)
 
 
+@pytest.mark.parametrize(
+    "options, error",
+    [
+        ({"search": True, "calibrate_memory": True}, r"calibrate_memory=True .* give memory_budget"),
+        ({"search": True, "memory_budget": 2**20, "calibrate_memory": "yes"},
+         r"calibrate_memory is True or False, got 'yes'"),
+    ],
+    ids=["without-a-budget", "not-a-bool"],
+)  # fmt: skip
+def test_calibrate_memory_needs_a_budget_and_a_bool(mesh, options, error):
+    with pytest.raises(ShardingError, match=error):
+        jaxshard.auto_shard(mesh, **options)(lambda x: x)
+
+
+def test_a_budget_no_compiled_layout_meets_names_the_compiled_footprint(mesh):
+    step = jaxshard.auto_shard(
+        mesh, {"batch/x": P("data")}, search=True, memory_budget=64, calibrate_memory=True
+    )(f)
+    error = (r"no layout fits the memory budget of 64 B per device in the compiled program: "
+             r"the smallest the search found needs [\d.]+ [KM]?i?B \(\d+ bytes, compiled\)\. "
+             r"Raise the budget")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", JaxshardWarning)
+        with pytest.raises(ShardingError, match=error):
+            step.plan(*ARGS)
+
+
 def test_none_inside_a_list_is_an_empty_subtree(mesh):
     p = plan(mesh, {"batch/0": P("data")}, fn=lambda batch: batch[0] * 2, args=([X, None],))
     assert p.in_specs == ([P("data"), None],)

@@ -23,7 +23,11 @@ Properties:
 - the lowered program compiles and its numbers equal the unsharded ``jax.jit`` run
   (float32: rtol 1e-5 with an absolute floor of 1e-5 of the result's largest magnitude,
   for sums that cancel to near zero; ints and bools exactly), and each result comes back
-  in its planned layout.
+  in its planned layout;
+- a scanned layer stack pipelined over stages matches the plain step;
+- the search with ``calibrate_memory`` returns a plan whose compiled program fits its
+  memory budget and runs like the unsharded program, or (only for a budget below what
+  the hints alone compile to) says that no layout fits.
 
 Profiles: the default (CI) profile is derandomized: 5 planning properties x 300 examples
 and 100 compile-and-run examples (about a minute on 2 cores).
@@ -44,10 +48,12 @@ import pytest
 from fuzz_programs import Arg, Case, cases, pipe_cases
 from helpers import assert_leaves_match
 from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxshard
+from jaxshard.baseline import compiled_memory
 from jaxshard.lattice import from_spec, to_spec
 from jaxshard.propagate import Propagator
 from jaxshard.rule import FactorKind
@@ -367,3 +373,34 @@ def test_pipelined_stack_matches_unsharded(case, pipe_mesh):
     got = jaxshard.auto_shard(pipe_mesh, case.hints, pipeline=pipeline)(fn)(p, x, mask)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     assert_leaves_match(got[1], want[1])
+
+
+# --- searched layouts within a compiled-memory budget -----------------------------------
+
+
+@settings(BASE, max_examples=8 * SCALE)
+@given(case=cases(max_ops=5), fraction=st.sampled_from([0.5, 0.8, 1.0, 1.5]))
+def test_calibrated_search_fits_its_budget_once_compiled(case, fraction):
+    """With ``calibrate_memory`` the searched plan's compiled program fits the budget (a
+    fraction of the hints-only plan's compiled memory) and runs like the unsharded
+    program, or, below the hints-only plan's memory, the search says no layout fits."""
+    fn, inputs, mesh = case.fn(), case.inputs(), case.mesh()
+    plain = jaxshard.auto_shard(mesh, case.hints)(fn)
+    budget = fraction * compiled_memory(plain.lower(inputs).compile())
+    step = jaxshard.auto_shard(
+        mesh, case.hints, search=True, memory_budget=budget, calibrate_memory=True
+    )(fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxshard.JaxshardWarning)
+        try:
+            result = step.plan(inputs).search_result
+        except jaxshard.ShardingError as e:
+            assert "no layout fits the memory budget" in str(e), e
+            # the hints alone meet a budget of 1.0x or more: so must the search
+            assert fraction < 1.0, (repr(case), str(e))
+            return
+        got = step(inputs)
+    assert result.compiled_memory <= budget
+    assert result.compiled_memory == compiled_memory(step.lower(inputs).compile())
+    for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(fn)(inputs)))):
+        assert_same_numbers(g, w, f"out/{i}")

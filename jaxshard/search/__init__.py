@@ -131,8 +131,8 @@ def search_hints(
         def settle(target: float | None, strict: bool = True):
             """Solve, propagate, and solve again within a smaller budget while
             propagation needs more memory than the model said (``target``: the budget in
-            the estimate's units). When no layout fits by the model, the smallest-memory
-            one: an error if ``strict`` and that is over ``target``."""
+            the estimate's units). When no layout fits, the smallest-memory one found: an
+            error if ``strict``."""
             for _ in range(3):
                 try:
                     choice, optimal, status = solve(problem, t0, time_limit, say)
@@ -156,7 +156,9 @@ def search_hints(
                     f"{human_bytes(modeled)}: searching again within "
                     f"{human_bytes(problem.budget)}")  # fmt: skip
             memory, plan, choice = min(tried, key=lambda t: t[0].total)
-            raise_over_budget(problem, memory_budget, memory, plan)
+            if strict:
+                raise_over_budget(problem, memory_budget, memory, plan)
+            return plan, memory, choice, False, "the smallest-memory layout found"
 
         calibrate = calibrate_memory and memory_budget is not None
         # a budget the estimate puts out of reach may still fit once compiled
