@@ -95,9 +95,9 @@ class Verification:
         return [
             f"over the memory budget: the compiled program needs "
             f"{human_bytes(self.compiled_memory)} per device, the budget is "
-            f"{human_bytes(self.memory_budget)} (the search's estimate was lower); search "
+            f"{human_bytes(self.memory_budget)} (the search's estimate was lower): search "
             "with calibrate_memory=True to check the plan against its compiled program, or "
-            "lower memory_budget"
+            "with a smaller memory_budget"
         ]
 
     @property

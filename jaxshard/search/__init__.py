@@ -206,10 +206,7 @@ def _calibrated(problem, budget: float, settle, first: tuple, say) -> tuple:
         if attempt == COMPILES - 1:
             break
         problem.budget = _next_target([(c[1].total, c[5]) for c in checked], budget)
-        try:
-            found = settle(problem.budget, strict=False)
-        except ShardingError:  # nothing fits the rescaled budget by the estimate
-            break
+        found = settle(problem.budget, strict=False)
         if any(found[2] == c[2] for c in checked):
             break
     fits = [c for c in checked if c[5] <= budget]
