@@ -217,11 +217,9 @@ def pinned_values(plan: Plan) -> set[int]:
 def operands_at_use(plan: Plan) -> dict[int, dict[int, tuple]]:
     """The layouts operands are moved to at their use: per equation (named by the value
     of its first result), ``{operand value: the layout the equation works in}``, for
-    every predicted reshard of an operand. A repeat of one (`Plan.repeats`) gets a
-    `Fresh` layout: its copy is made from the operand behind an optimization barrier, so
-    XLA moves it again at this use rather than merging it with the first copy (which
-    keeps the first copy alive until the second use: a gathered weight from the forward
-    pass to the backward, memory), or moving it its own way (more bytes than priced).
+    every predicted reshard of an operand. A repeat of one (`Plan.repeats`) gets no copy
+    of its own: constraining it too made XLA keep the first copy alive until the second
+    use (a gathered weight from the forward pass to the backward), which costs memory.
 
     The lowered program constrains a copy of the operand to this layout right before the
     equation, so the collective the plan priced is the one XLA runs. Left to itself, XLA's
@@ -239,29 +237,10 @@ def operands_at_use(plan: Plan) -> dict[int, dict[int, tuple]]:
     again = {(a, vid) for a, vid, _ in plan.repeats}
     for r in plan.reshards:
         app = g.apps[r.app]
-        if app.kind != "eqn" or r.vid in app.results or not app.results:
+        if app.kind != "eqn" or r.vid in app.results or not app.results or (r.app, r.vid) in again:
             continue
-        found.setdefault(app.results[0], {})[r.vid] = (
-            Fresh(r.dst) if (r.app, r.vid) in again else r.dst
-        )
+        found.setdefault(app.results[0], {})[r.vid] = r.dst
     return found
-
-
-class Fresh(tuple):
-    """A layout an operand is moved to again at a later use (`operands_at_use`): the
-    copy is made anew there, not shared with the earlier use's."""
-
-
-def _barrier_primitive():
-    """``optimization_barrier``'s primitive, taken from a trace (jax.extend does not
-    export it): XLA neither merges nor moves computation across it."""
-    global _BARRIER
-    if _BARRIER is None:
-        _BARRIER = jax.make_jaxpr(jax.lax.optimization_barrier)(0.0).eqns[0].primitive
-    return _BARRIER
-
-
-_BARRIER = None
 
 
 def program_name(traced) -> str:
@@ -387,16 +366,6 @@ class Lowered:
         )  # fmt: skip
         return new
 
-    def _barrier(self, var, eqns: list, like) -> Any:
-        new = jax_core.Var(var.aval)
-        eqns.append(
-            jax_core.JaxprEqn(
-                [var], [new], _barrier_primitive(), {}, jax_core.no_effects,
-                like.source_info, like.ctx,
-            )
-        )  # fmt: skip
-        return new
-
     def _regions_of(self, jaxpr: Jaxpr) -> list:
         """``(index, eqn, regions)`` of the higher-order equations of a jaxpr, computed
         once per jaxpr object (repeated layers call the same bodies)."""
@@ -491,10 +460,7 @@ class Lowered:
             if isinstance(var, Literal) or var not in moves:
                 continue
             if var not in copies:
-                source = subst.get(var, var)
-                if isinstance(moves[var], Fresh):
-                    source = self._barrier(source, eqns, eqn)
-                copies[var] = self._constrain(source, tuple(moves[var]), eqns, eqn)
+                copies[var] = self._constrain(subst.get(var, var), moves[var], eqns, eqn)
             invars[i] = copies[var]
         return eqn.replace(invars=invars) if copies else eqn
 

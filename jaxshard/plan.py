@@ -168,11 +168,10 @@ class Plan:
 
     def _move_operand(self, a: int, vid: int, dst: tuple[DimSharding, ...]) -> None:
         """Operand ``vid`` of application ``a`` moves to ``dst``. The lowered program
-        constrains a copy of it at each use, a later use's made anew behind an
-        optimization barrier (`jaxshard.lower.Fresh`): merged with the first, XLA would
-        keep a weight gathered for the forward pass alive until its rematerialization or
-        backward use (memory). So a later use moves it again and is priced again;
-        ``repeats`` records those later uses."""
+        constrains a copy of it at its first use only: a copy at every use would be
+        merged by XLA into one (a weight gathered for the forward pass kept alive until
+        its rematerialization or backward use: memory), so a later use moves it again,
+        as XLA then does, and is priced again; ``repeats`` records those later uses."""
         if (vid, dst) in self._moved:
             self.repeats.append((a, vid, dst))
         self._moved.add((vid, dst))
