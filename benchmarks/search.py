@@ -277,8 +277,7 @@ def targets(log=print, quick: bool = False) -> str:
         versus = "—"
         if r.ring is not None and r.memory:
             versus = f"{_ratio(r.ring, megatron.ring)}, {r.memory / megatron.memory:.2f}x"
-        secs = "—" if r.search_s is None else f"{r.search_s:.1f}"
-        secs += "" if r.optimal in (None, True) else " (time limit)"
+        secs = _search_seconds(r)
         gflop = "—" if r.flops is None else f"{r.flops / 1e9:.1f}"
         lines.append(
             f"| {r.layout} | {secs} | {_mib(r.ring)} | {_mib(r.memory)} | {gflop} | "
@@ -288,6 +287,12 @@ def targets(log=print, quick: bool = False) -> str:
     text = head + "\n".join(lines) + "\n"
     log(text)
     return text
+
+
+def _search_seconds(r: Row) -> str:
+    """A row's search seconds, marked when the time limit stopped the solver."""
+    secs = "—" if r.search_s is None else f"{r.search_s:.1f}"
+    return secs + ("" if r.optimal in (None, True) else " (time limit)")
 
 
 def _ratio(x: float, reference: float) -> str:
@@ -375,8 +380,7 @@ def table(w: Workload, layers: int, equations: int, rows: list[Row], megatron: R
                 f"{r.predicted / megatron.predicted:.2f}x predicted, "
                 f"{r.estimated_memory / megatron.estimated_memory:.2f}x estimated"
             )
-        secs = "—" if r.search_s is None else f"{r.search_s:.1f}"
-        secs += "" if r.optimal in (None, True) else " (time limit)"
+        secs = _search_seconds(r)
         plan_s = "—" if r.plan_s is None else f"{r.plan_s:.1f}"
         lines.append(
             f"| {r.layout} | {secs} | {plan_s} | {_mib(r.predicted)} | {_mib(r.ring)} | "
