@@ -5,6 +5,8 @@ the smallest-memory layout when no layout meets the budget."""
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import time
 
 import numpy as np
@@ -121,8 +123,7 @@ class Model:
                     row[xc] = row.get(xc, 0.0) - 1.0
                     rows.append((row, 0.0, 0.0))
         self.n = n
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
+        h = _quiet_highs()
         h.setOptionValue("mip_rel_gap", 1e-6)
         lp = highspy.HighsLp()
         lp.num_col_, lp.num_row_ = n, len(rows)
@@ -245,3 +246,28 @@ def smallest_memory(
         points.append(peak)
         bound(peak)
     return choice
+
+
+def _quiet_highs():
+    """A `highspy.Highs` that writes nothing: HiGHS 1.16 prints its banner on stdout
+    while the object is built, before ``output_flag`` can be turned off, so the
+    construction runs with file descriptor 1 pointed at the null device (a program
+    printing the search's explanation, the CLI, would otherwise start with the banner).
+
+    Example:
+        >>> _quiet_highs().getOptionValue("output_flag")[1]
+        False
+    """
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+            h = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    h.setOptionValue("output_flag", False)
+    return h
