@@ -41,6 +41,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from jax.sharding import Mesh, PartitionSpec
 
@@ -189,36 +190,46 @@ def search_hints(
 COMPILES = 4  # the most compiles `calibrate_memory` makes
 
 
-def _calibrated(problem, budget: float, settle, first: tuple, say) -> tuple:
+class _Checked(NamedTuple):
+    """A plan `_calibrated` compiled: what `settle` found, and its compiled memory."""
+
+    plan: Plan
+    memory: MemoryEstimate
+    choice: dict[int, int]
+    optimal: bool
+    status: str
+    compiled: int
+
+
+def _calibrated(problem, budget: float, settle, first: tuple, say) -> _Checked:
     """Check the searched plan against its compiled program and search again with the
     budget rescaled by the compiled program's memory over the estimate (``COMPILES`` at
     most): the estimate misses XLA's fusion and buffer reuse by some percent either way,
     and the compiled program decides whether a layout fits. Keeps the plan that moves
     the fewest bytes among those whose compiled memory fits; raises when none does."""
     found = first
-    checked = []  # (plan, memory, choice, optimal, status, compiled memory)
+    checked: list[_Checked] = []
     for attempt in range(COMPILES):
-        plan, memory = found[0], found[1]
-        compiled = compiled_memory(Lowered(plan).lower().compile())
-        checked.append((*found, compiled))
+        compiled = compiled_memory(Lowered(found[0]).lower().compile())
+        checked.append(_Checked(*found, compiled))
         say(f"compiled: {human_bytes(compiled)} per device, estimated "
-            f"{human_bytes(memory.total)}, budget {human_bytes(budget)}")  # fmt: skip
+            f"{human_bytes(found[1].total)}, budget {human_bytes(budget)}")  # fmt: skip
         if attempt == COMPILES - 1:
             break
-        problem.budget = _next_target([(c[1].total, c[5]) for c in checked], budget)
+        problem.budget = _next_target([(c.memory.total, c.compiled) for c in checked], budget)
         found = settle(problem.budget, strict=False)
-        if any(found[2] == c[2] for c in checked):
+        if any(found[2] == c.choice for c in checked):
             break
-    fits = [c for c in checked if c[5] <= budget]
+    fits = [c for c in checked if c.compiled <= budget]
     if not fits:
-        smallest = min(checked, key=lambda c: c[5])
+        smallest = min(c.compiled for c in checked)
         raise ShardingError(
             f"no layout fits the memory budget of {human_bytes(budget, 2)} per device in "
             f"the compiled program: the smallest the search found needs "
-            f"{human_bytes(smallest[5], 2)} ({smallest[5]} bytes, compiled). Raise the "
+            f"{human_bytes(smallest, 2)} ({smallest} bytes, compiled). Raise the "
             "budget to at least that, use a larger mesh, or shrink the batch."
         )
-    return min(fits, key=lambda c: (step_bytes(c[0]), c[5]))
+    return min(fits, key=lambda c: (step_bytes(c.plan), c.compiled))
 
 
 def _next_target(points: list[tuple[int, int]], budget: float) -> float:
