@@ -217,9 +217,10 @@ def pinned_values(plan: Plan) -> set[int]:
 def operands_at_use(plan: Plan) -> dict[int, dict[int, tuple]]:
     """The layouts operands are moved to at their use: per equation (named by the value
     of its first result), ``{operand value: the layout the equation works in}``, for
-    every predicted reshard of an operand. A repeat of one (`Plan.repeats`) gets no copy
-    of its own: constraining it too made XLA keep the first copy alive until the second
-    use (a gathered weight from the forward pass to the backward), which costs memory.
+    every predicted reshard of an operand and every repeat of one (`Plan.repeats`): the
+    repeat's copy is constrained alike, so that XLA merges its collective into the first
+    one's as the plan predicts. Left free, XLA moved a repeated weight its own way on a
+    2x4 mesh (a collective-permute plus an all-gather over "model": twice the bytes).
 
     The lowered program constrains a copy of the operand to this layout right before the
     equation, so the collective the plan priced is the one XLA runs. Left to itself, XLA's
@@ -234,12 +235,13 @@ def operands_at_use(plan: Plan) -> dict[int, dict[int, tuple]]:
     """
     g = plan.graph
     found: dict[int, dict[int, tuple]] = {}
-    again = {(a, vid) for a, vid, _ in plan.repeats}
-    for r in plan.reshards:
-        app = g.apps[r.app]
-        if app.kind != "eqn" or r.vid in app.results or not app.results or (r.app, r.vid) in again:
+    again = {(a, vid) for a, vid, _ in plan.moved_again}
+    moves = [(r.app, r.vid, r.dst) for r in plan.reshards if (r.app, r.vid) not in again]
+    for a, vid, dst in (*moves, *plan.repeats):
+        app = g.apps[a]
+        if app.kind != "eqn" or vid in app.results or not app.results:
             continue
-        found.setdefault(app.results[0], {})[r.vid] = r.dst
+        found.setdefault(app.results[0], {})[vid] = dst
     return found
 
 

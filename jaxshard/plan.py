@@ -36,11 +36,13 @@ from jaxshard.cost import (
     reshard_collectives,
     step_bytes,
     written_collectives,
+    xla_scope,
 )
 from jaxshard.errors import ShardingError
 from jaxshard.graph import Graph, build_graph
 from jaxshard.lattice import DimSharding, spec_entry, to_spec
 from jaxshard.propagate import DEFAULT_RANK, STORAGE_RANK, Conflict, Origin, Propagator
+from jaxshard.rule import FactorKind
 from jaxshard.trace import Traced, auto_view, trace_on_mesh  # noqa: F401 (auto_view re-exported)
 
 
@@ -104,6 +106,13 @@ def _stage(name: str) -> Callable[..., Any]:
     return _STAGES[name]  # registered when the jaxshard package is imported, before any plan
 
 
+def _contracts(app) -> bool:
+    """Whether an equation sums over a dim of its operands (a matmul, a convolution)."""
+    return app.kind == "eqn" and any(
+        f.kind is FactorKind.REDUCTION and not f.indexed for f in app.rule.factors
+    )
+
+
 class Plan:
     """A complete sharding plan for one function and one set of argument shapes.
 
@@ -111,7 +120,8 @@ class Plan:
     arguments ``(args, kwargs)``... see `in_specs`), ``reshards``, ``slices`` (the
     ``(application, value)`` pairs where a value is cut to a finer layout for its use, no
     collective needed), ``repeats`` (``(application, value, layout)`` where an operand
-    moves to a layout an earlier use already moved it to: moved again), ``conflicts``, and
+    is wanted in a layout an earlier use in the same XLA computation moved it to: XLA
+    merges the two moves, and the first copy stays alive until then), ``conflicts``, and
     ``search_result``: the `jaxshard.search.SearchResult` of the search that chose this
     plan's layouts (None for a plan made from hints alone).
     """
@@ -137,9 +147,12 @@ class Plan:
         self.reshards: list[Reshard] = []
         # (application, value) where a value is cut to a finer layout with no collective
         self.slices: list[tuple[int, int]] = []
-        # (application, value, layout): an operand moved where an earlier use moved it
+        # (application, value, layout): an operand wanted where an earlier use moved it
         self.repeats: list[tuple[int, int, tuple[DimSharding, ...]]] = []
-        self._moved: set[tuple[int, tuple[DimSharding, ...]]] = set()
+        # the same for a later use that does not contract the operand: moved again
+        self.moved_again: list[tuple[int, int, tuple[DimSharding, ...]]] = []
+        # (value, layout) -> {XLA computation (`xla_scope`): the first application there}
+        self._moved: dict[tuple[int, tuple[DimSharding, ...]], dict[tuple, int]] = {}
         self._runs, self._in_while = executions(graph), in_while_loop(graph)
         self._reduce_scatter = has_reduce_scatter(mesh)
         self._analyze(prop)
@@ -168,13 +181,21 @@ class Plan:
 
     def _move_operand(self, a: int, vid: int, dst: tuple[DimSharding, ...]) -> None:
         """Operand ``vid`` of application ``a`` moves to ``dst``. The lowered program
-        constrains a copy of it at its first use only: a copy at every use would be
-        merged by XLA into one (a weight gathered for the forward pass kept alive until
-        its rematerialization or backward use: memory), so a later use moves it again,
-        as XLA then does, and is priced again; ``repeats`` records those later uses."""
-        if (vid, dst) in self._moved:
-            self.repeats.append((a, vid, dst))
-        self._moved.add((vid, dst))
+        constrains a copy of it at its first use in each XLA computation (`xla_scope`).
+        A later contraction there (a weight the backward pass multiplies by again) is
+        constrained alike: XLA's common-subexpression pass merges its collective into
+        the first one's, whose result stays alive until then. ``repeats`` records those
+        uses, at no bytes. Any other later use (an elementwise optimizer update) is left
+        unconstrained and priced as moved again (``moved_again``): constrained, the
+        update too would work on the gathered copy, which then lives to the step's end."""
+        scope = xla_scope(self.graph.apps[a].where)
+        firsts = self._moved.setdefault((vid, dst), {})
+        if scope in firsts:
+            if _contracts(self.graph.apps[a]):
+                self.repeats.append((a, vid, dst))
+                return
+            self.moved_again.append((a, vid, dst))
+        firsts.setdefault(scope, a)
         self._add_reshard(a, vid, self.dims[vid], dst, frozenset())
 
     def _add_reshard(self, a, vid, src, dst, partial) -> None:

@@ -61,21 +61,7 @@ def test_plan_never_loses_to_shardy_alone(mesh, model, hint_set):
     assert ours.memory <= base.memory, f"memory {ours.memory} vs {base.memory}"
 
 
-# A weight used twice in one scope is priced as gathered twice; on the ViT with an FSDP
-# hint XLA merges one such pair, so the plan predicts 1.10x what it moves.
-_PREDICTION_GAPS = {("vit", "fsdp"): "XLA merges one repeated gather the plan prices twice"}
-
-
-@pytest.mark.parametrize(
-    "model,hint_set",
-    [
-        pytest.param(m, h, marks=pytest.mark.xfail(strict=True, reason=_PREDICTION_GAPS[m, h]))
-        if (m, h) in _PREDICTION_GAPS
-        else (m, h)
-        for m, h in CASES
-    ],
-    ids=[f"{m}-{h}" for m, h in CASES],
-)
+@pytest.mark.parametrize("model,hint_set", CASES, ids=[f"{m}-{h}" for m, h in CASES])
 def test_predicted_bytes_match_the_compiled_program(mesh, model, hint_set):
     """`Plan.predicted_bytes` is what the compiled program moves, within 10%: the lowered
     program moves each operand where the plan says, and the cost model prices the

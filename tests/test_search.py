@@ -321,6 +321,53 @@ def test_memory_counts_the_largest_live_set():
     assert half.arguments == 64 and half.activations == 3 * 64
 
 
+def _intermediates(fn, *args) -> list[str]:
+    from jaxshard.graph import build_graph
+    from jaxshard.trace import trace
+
+    g = build_graph(trace(fn, args, {}), {})
+    live = liveness(g)
+    producer: dict[int, str] = {}
+    for app in g.apps:
+        for v in app.results if app.kind == "eqn" else ():
+            producer.setdefault(live.owner[v], app.eqn.primitive.name)
+    # the buffers of the input's shape, by the primitive that makes each
+    return sorted(producer[int(v)] for v in live.intermediates if g.shapes[v] == args[0].shape)
+
+
+def test_an_equation_repeated_on_the_same_buffers_is_one_buffer():
+    # XLA's common-subexpression pass computes a repeat once: jnp.var recomputes the mean
+    # and the centred input a layer norm computes beside it
+    def layer_norm(x):
+        return (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True))
+
+    x = np.ones((8, 4), np.float32)
+    assert _intermediates(lambda x: jnp.sin(x) * jnp.sin(x), x) == ["sin"]
+    assert _intermediates(layer_norm, x).count("sub") == 1
+    # not across a rematerialization barrier, nor with other literals or parameters
+    assert _intermediates(lambda x: jax.checkpoint(jnp.sin)(x) * jnp.sin(x), x) == ["sin", "sin"]
+    assert _intermediates(lambda x: (x + 1.0) * (x + 2.0), x) == ["add", "add"]
+    assert _intermediates(lambda x: jnp.cumsum(x, 0) * jnp.cumsum(x, 1), x) == ["cumsum"] * 2
+
+
+def test_a_repeated_gather_is_priced_once_in_a_computation(mesh):
+    # a weight stored split over "data", wanted whole by two matmuls of one program (the
+    # batch is on "data"): constrained alike at both uses, XLA merges the two all-gathers
+    # and keeps the first result alive for the second use
+    def fn(w, x):
+        return jnp.sum(x @ w) + jnp.sum(jnp.tanh(x) @ w)
+
+    args = (jnp.ones((16, 8)), jnp.ones((64, 16)))
+    hints = {"w": P(None, "data"), "x": P("data")}
+    plan = jaxshard.make_plan(fn, args, {}, mesh, hints)
+    w = plan.graph.in_vids[0]
+    assert [r.vid for r in plan.reshards].count(w) == 1
+    assert [vid for _, vid, _ in plan.repeats] == [w]
+    checked = verify(plan, jaxshard.auto_shard(mesh, hints)(fn).lower(*args))
+    gathered = 16 * 8 * 4  # the whole weight, the all-gather's result
+    assert [c.kind for c in checked.found if c.bytes == gathered] == ["all-gather"], checked
+
+
 # --- the memory-bound space: compute in the objective, the batch over several axes ---
 
 COMPUTE_BOUND = CostModel(default_bandwidth=1e11, flops=1e9)  # compute outweighs comm
