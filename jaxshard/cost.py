@@ -560,15 +560,16 @@ def _common_subexpressions(graph, owner: list[int], skip: set[int]) -> list[int]
     """``owner`` with the results of an equation that repeats an earlier one (the same
     primitive and parameters on the same buffers and literals, in the same loop body)
     owned by the earlier one's: XLA's common-subexpression elimination computes them
-    once, into one buffer; so is a conversion to its operand's own type. ``jnp.var`` recomputes the mean and the centred input that a
-    layer norm computes beside it; counted twice, they made a GPT's estimate 5% high."""
+    once, into one buffer; a conversion to its operand's own type is its operand.
+    ``jnp.var`` recomputes the mean and the centred input that a layer norm computes
+    beside it: counted twice, they made a GPT's estimate 5% high."""
     seen: dict[tuple, tuple[int, ...]] = {}
     for a, app in enumerate(graph.apps):
         eqn = app.eqn
         if app.kind != "eqn" or eqn is None or a in skip or eqn.effects:
             continue
         inputs = tuple(
-            ("literal", repr(var.val), str(var.aval)) if isinstance(var, Literal) else owner[v]
+            _literal_key(var) if isinstance(var, Literal) else owner[v]
             for var, v in zip(eqn.invars, app.operands)
         )  # fmt: skip
         try:
@@ -582,6 +583,14 @@ def _common_subexpressions(graph, owner: list[int], skip: set[int]) -> list[int]
         elif eqn.primitive.name == "convert_element_type" and _same_type(eqn):
             owner[app.results[0]] = inputs[0]  # XLA's simplifier removes it
     return owner
+
+
+def _literal_key(var) -> tuple:
+    """A literal operand by its value and type (a NaN equals nothing: never merged)."""
+    val = var.val
+    if not isinstance(val, (bool, int, float, complex, np.generic)):
+        val = (np.asarray(val).tobytes(), np.shape(val))
+    return ("literal", val, var.aval.dtype, var.aval.weak_type)
 
 
 def _same_type(eqn) -> bool:

@@ -121,7 +121,8 @@ class Plan:
     ``(application, value)`` pairs where a value is cut to a finer layout for its use, no
     collective needed), ``repeats`` (``(application, value, layout)`` where an operand
     is wanted in a layout an earlier use in the same XLA computation moved it to: XLA
-    merges the two moves, and the first copy stays alive until then), ``conflicts``, and
+    merges the two moves, and the first copy stays alive until then; for a contraction),
+    ``moved_again`` (the same for other uses: moved again, priced again), ``conflicts``, and
     ``search_result``: the `jaxshard.search.SearchResult` of the search that chose this
     plan's layouts (None for a plan made from hints alone).
     """
@@ -151,8 +152,8 @@ class Plan:
         self.repeats: list[tuple[int, int, tuple[DimSharding, ...]]] = []
         # the same for a later use that does not contract the operand: moved again
         self.moved_again: list[tuple[int, int, tuple[DimSharding, ...]]] = []
-        # (value, layout) -> {XLA computation (`xla_scope`): the first application there}
-        self._moved: dict[tuple[int, tuple[DimSharding, ...]], dict[tuple, int]] = {}
+        # (value, layout) -> the XLA computations (`xla_scope`) it was moved to it in
+        self._moved: dict[tuple[int, tuple[DimSharding, ...]], set[tuple[int, ...]]] = {}
         self._runs, self._in_while = executions(graph), in_while_loop(graph)
         self._reduce_scatter = has_reduce_scatter(mesh)
         self._analyze(prop)
@@ -189,13 +190,13 @@ class Plan:
         unconstrained and priced as moved again (``moved_again``): constrained, the
         update too would work on the gathered copy, which then lives to the step's end."""
         scope = xla_scope(self.graph.apps[a].where)
-        firsts = self._moved.setdefault((vid, dst), {})
-        if scope in firsts:
+        scopes = self._moved.setdefault((vid, dst), set())
+        if scope in scopes:
             if _contracts(self.graph.apps[a]):
                 self.repeats.append((a, vid, dst))
                 return
             self.moved_again.append((a, vid, dst))
-        firsts.setdefault(scope, a)
+        scopes.add(scope)
         self._add_reshard(a, vid, self.dims[vid], dst, frozenset())
 
     def _add_reshard(self, a, vid, src, dst, partial) -> None:
