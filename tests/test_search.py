@@ -350,24 +350,6 @@ def test_an_equation_repeated_on_the_same_buffers_is_one_buffer():
     assert _intermediates(lambda x: jnp.cumsum(x, 0) * jnp.cumsum(x, 1), x) == ["cumsum"] * 2
 
 
-def test_a_repeated_gather_is_priced_once_in_a_computation(mesh):
-    # a weight stored split over "data", wanted whole by two matmuls of one program (the
-    # batch is on "data"): constrained alike at both uses, XLA merges the two all-gathers
-    # and keeps the first result alive for the second use
-    def fn(w, x):
-        return jnp.sum(x @ w) + jnp.sum(jnp.tanh(x) @ w)
-
-    args = (jnp.ones((16, 8)), jnp.ones((64, 16)))
-    hints = {"w": P(None, "data"), "x": P("data")}
-    plan = jaxshard.make_plan(fn, args, {}, mesh, hints)
-    w = plan.graph.in_vids[0]
-    assert [r.vid for r in plan.reshards].count(w) == 1
-    assert [vid for _, vid, _ in plan.repeats] == [w]
-    checked = verify(plan, jaxshard.auto_shard(mesh, hints)(fn).lower(*args))
-    gathered = 16 * 8 * 4  # the whole weight, the all-gather's result
-    assert [c.kind for c in checked.found if c.bytes == gathered] == ["all-gather"], checked
-
-
 # --- the memory-bound space: compute in the objective, the batch over several axes ---
 
 COMPUTE_BOUND = CostModel(default_bandwidth=1e11, flops=1e9)  # compute outweighs comm

@@ -322,3 +322,21 @@ def test_collectives_of_narrow_dtypes_are_counted(mesh, dtype):
         frozenset({"data"}),
         64 * DTYPE_BYTES[dtype],
     )
+
+
+def test_a_repeated_gather_is_priced_once_in_a_computation(mesh):
+    # a weight stored split over "data", wanted whole by two matmuls of one program (the
+    # batch is on "data"): constrained alike at both uses, XLA merges the two all-gathers
+    # and keeps the first result alive for the second use
+    def fn(w, x):
+        return jnp.sum(x @ w) + jnp.sum(jnp.tanh(x) @ w)
+
+    args = (jnp.ones((16, 8)), jnp.ones((64, 16)))
+    hints = {"w": P(None, "data"), "x": P("data")}
+    plan = jaxshard.make_plan(fn, args, {}, mesh, hints)
+    w = plan.graph.in_vids[0]
+    assert [r.vid for r in plan.reshards].count(w) == 1
+    assert [vid for _, vid, _ in plan.repeats] == [w]
+    checked = verify(plan, jaxshard.auto_shard(mesh, hints)(fn).lower(*args))
+    gathered = 16 * 8 * 4  # the whole weight, the all-gather's result
+    assert [c.kind for c in checked.found if c.bytes == gathered] == ["all-gather"], checked
