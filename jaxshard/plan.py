@@ -735,7 +735,88 @@ def propagate_pins(
     for vid, pin in storage.items():
         prop.pin(vid, pin, STORAGE_RANK)
     prop.run()
+    if storage:
+        store_updates(graph, prop, storage)
     return prop
+
+
+def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) -> None:
+    """Lay out the update of stored state in its storage layout (ZeRO/FSDP: the
+    gradient reduce-scattered, the optimizer update on shards), where propagation left it
+    in a coarser compute layout.
+
+    From the new value of each stored leaf, back through the elementwise equations that
+    make it (the optimizer's update) to the gradient: every value that only the step's
+    new state depends on (not the loss or any other result) and whose layout the storage
+    layout refines (adds axes to replicated dims) takes the storage layout. The first
+    propagation run can leave such a chain replicated on the storage axis (a dim the
+    activations' hints replicate reaches the gradient and the update): the plan then
+    all-reduced the gradient and gathered the parameter and its moments for the update.
+
+    Example:
+        >>> store_updates(graph, prop, storage)  # doctest: +SKIP
+    """
+    dims, origins = prop.state.dims, prop.state.origins
+    producer: dict[int, int] = {}
+    for a, app in enumerate(graph.apps):
+        for v in app.results if app.kind != "tie" else ():
+            producer.setdefault(v, a)
+    state_out = {graph.out_vids[o] for _, o in graph.ties}
+    # values some other result depends on: the computation's, never touched
+    needed = {v for v in graph.out_vids if v not in state_out}
+    for app in reversed(graph.apps):
+        if any(r in needed for r in app.results):
+            needed.update(app.operands)
+    args = set(graph.in_vids)
+    for i, o in graph.ties:
+        pin = storage.get(graph.in_vids[i])
+        new = graph.out_vids[o]
+        if pin is None or new in args:
+            continue
+        work, seen = [(new, tuple(pin.dims))], set()
+        while work:
+            v, layout = work.pop()
+            if v in seen or v in needed or v in args or (v in state_out and v != new):
+                continue  # another state leaf's new value keeps its own layout
+            if not _refines(layout, dims[v]):
+                continue
+            seen.add(v)
+            a = producer.get(v)
+            if a is None or xla_scope(graph.apps[a].where):
+                continue  # made inside a loop or a branch: left as propagated
+            app = graph.apps[a]
+            if not all(f.kind is FactorKind.PASS for f in app.rule.factors):
+                continue  # the gradient: sliced where the update reads it
+            for d, axes in enumerate(layout):
+                if axes is not None and dims[v][d] != axes:
+                    dims[v][d] = axes
+                    origins[v][d] = Origin("hint", f"{pin.source}, its update", rank=STORAGE_RANK)
+            work.extend(zip(app.operands, _operand_layouts(app, v, layout)))
+
+
+def _operand_layouts(app, v: int, layout) -> list[tuple[DimSharding, ...]]:
+    """The layout of each operand of an elementwise-like equation (every factor passes
+    through: elementwise, transpose, broadcast) that puts result ``v`` in ``layout``:
+    each operand dim takes the axes of the result dim its factor maps to, open where it
+    maps to none or to several factors."""
+    rule = app.rule
+    by_factor = {}
+    for d, fl in enumerate(rule.results[app.results.index(v)]):
+        if len(fl) == 1:
+            by_factor[fl[0]] = layout[d]
+    return [
+        tuple(by_factor.get(fl[0]) if len(fl) == 1 else None for fl in dims)
+        for dims in rule.operands
+    ]
+
+
+def _refines(layout: Sequence[DimSharding], dims: Sequence[DimSharding]) -> bool:
+    """Whether ``layout`` only adds minor axes to each dim of ``dims`` (its shards are
+    slices of theirs); a dim ``layout`` leaves open keeps what it has."""
+    return all(
+        want is None or tuple(want[: len(have or ())]) == tuple(have or ())
+        for want, have in zip(layout, dims, strict=True)
+    )
 
 
 UNREACHED = "replicated: no hint or propagation reached it"

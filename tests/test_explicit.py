@@ -194,7 +194,9 @@ def test_flax_gemma_example_matches_its_own_fsdp_tp_run():
     np.testing.assert_allclose(sharded.losses, example.losses, rtol=1e-4)
     assert_leaves_match(jax.device_get(sharded.state), jax.device_get(example.state))
     assert sharded.comm_bytes <= 1.05 * example.comm_bytes
-    assert sharded.memory <= 1.05 * example.memory
+    # within 2%: the optimizer updates every weight on its shards (`store_updates`); with
+    # three of them updated in the gathered layout it was 1.041x
+    assert sharded.memory <= 1.02 * example.memory
     # the state is stored as the example stores it, and handed back on its Explicit mesh
     for got, want in zip(jax.tree.leaves(sharded.state), jax.tree.leaves(example.state)):
         assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
