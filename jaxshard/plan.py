@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -742,7 +743,7 @@ def propagate_pins(
 
 def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) -> None:
     """Lay out the update of stored state in its storage layout (ZeRO/FSDP: the
-    gradient reduce-scattered, the optimizer update on shards), where propagation left it
+    optimizer update on shards, reading the gradient sliced), where propagation left it
     in a coarser compute layout.
 
     From the new value of each stored leaf, back through the elementwise equations that
@@ -778,7 +779,7 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
             v, layout = work.pop()
             if v in seen or v in needed or v in args or (v in state_out and v != new):
                 continue  # another state leaf's new value keeps its own layout
-            if not _refines(layout, dims[v]):
+            if not _refines(layout, dims[v]) or not _divides(layout, graph.shapes[v], prop):
                 continue
             seen.add(v)
             a = producer.get(v)
@@ -808,6 +809,15 @@ def _operand_layouts(app, v: int, layout) -> list[tuple[DimSharding, ...]]:
         tuple(by_factor.get(fl[0]) if len(fl) == 1 else None for fl in dims)
         for dims in rule.operands
     ]
+
+
+def _divides(layout: Sequence[DimSharding], shape: Sequence[int], prop: Propagator) -> bool:
+    """Whether each dim of ``shape`` splits evenly over its axes in ``layout``."""
+    sizes = prop.axis_sizes
+    return all(
+        axes is None or n % math.prod(sizes[a] for a in axes) == 0
+        for axes, n in zip(layout, shape, strict=True)
+    )
 
 
 def _refines(layout: Sequence[DimSharding], dims: Sequence[DimSharding]) -> bool:
