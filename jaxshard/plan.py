@@ -107,8 +107,14 @@ def _stage(name: str) -> Callable[..., Any]:
     return _STAGES[name]  # registered when the jaxshard package is imported, before any plan
 
 
-def _contracts(app) -> bool:
-    """Whether an equation sums over a dim of its operands (a matmul, a convolution)."""
+def contracts(app) -> bool:
+    """Whether an equation sums over a dim of its operands (a matmul, a convolution); an
+    indexed reduction is a lookup (a gather's table dim), not a contraction.
+
+    Example:
+        >>> contracts(plan.graph.apps[0])  # doctest: +SKIP
+        True
+    """
     return app.kind == "eqn" and any(
         f.kind is FactorKind.REDUCTION and not f.indexed for f in app.rule.factors
     )
@@ -193,7 +199,7 @@ class Plan:
         scope = xla_scope(self.graph.apps[a].where)
         scopes = self._moved.setdefault((vid, dst), set())
         if scope in scopes:
-            if _contracts(self.graph.apps[a]):
+            if contracts(self.graph.apps[a]):
                 self.repeats.append((a, vid, dst))
                 return
             self.moved_again.append((a, vid, dst))
@@ -779,7 +785,9 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
             v, layout = work.pop()
             if v in seen or v in needed or v in args or (v in state_out and v != new):
                 continue  # another state leaf's new value keeps its own layout
-            if not _refines(layout, dims[v]) or not _divides(layout, graph.shapes[v], prop):
+            if not _refines(layout, dims[v]) or not _divides(
+                layout, graph.shapes[v], prop.axis_sizes
+            ):
                 continue
             seen.add(v)
             a = producer.get(v)
@@ -811,9 +819,8 @@ def _operand_layouts(app, v: int, layout) -> list[tuple[DimSharding, ...]]:
     ]
 
 
-def _divides(layout: Sequence[DimSharding], shape: Sequence[int], prop: Propagator) -> bool:
+def _divides(layout: Sequence[DimSharding], shape: Sequence[int], sizes: Mapping[str, int]) -> bool:
     """Whether each dim of ``shape`` splits evenly over its axes in ``layout``."""
-    sizes = prop.axis_sizes
     return all(
         axes is None or n % math.prod(sizes[a] for a in axes) == 0
         for axes, n in zip(layout, shape, strict=True)

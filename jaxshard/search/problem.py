@@ -28,6 +28,7 @@ from jaxshard.cost import (
 from jaxshard.graph import find_root
 from jaxshard.lattice import Axes, spec_entry, to_spec
 from jaxshard.plan import (
+    contracts,
     dead_apps,
     duplicate_app,
     hint_pins,
@@ -340,12 +341,7 @@ class Problem(MemoryModel):
         if i not in self.tied:
             return False
         uses = self._uses(self.graph.in_vids[i])
-        # an indexed reduction is a lookup (a gather's table dim), not a contraction
-        return bool(uses) and all(
-            any(f.kind is FactorKind.REDUCTION and not f.indexed
-                for f in self.graph.apps[a].rule.factors)
-            for a in uses
-        )  # fmt: skip
+        return bool(uses) and all(contracts(self.graph.apps[a]) for a in uses)
 
     def _leaves_of(self, members) -> list[int]:
         """The argument leaves of the groups in ``members`` ((group, dim) pairs)."""
