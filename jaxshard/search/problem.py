@@ -160,7 +160,11 @@ class Problem(MemoryModel):
         self.pins: dict[int, tuple] = {v: p.dims for v, p in pins.items()}
 
     def _classes(self) -> None:
-        """Union-find over (value, dim): every dim joins the class of its major factor."""
+        """Union-find over (value, dim): every dim joins the class of its major factor,
+        unless that would give one tensor two dims of one class or one equation one class
+        on two factors (attention's query and key positions, ``x.T @ x``): that dim is
+        *cut* from the factor (`cuts`), and the equation moves it between its class's
+        layout and the factor's (`_app_cost`), so the sequence stays a decision."""
         g = self.graph
         offset = np.zeros(len(g.shapes) + 1, dtype=np.int64)
         offset[1:] = np.cumsum([len(s) for s in g.shapes])
@@ -168,12 +172,32 @@ class Problem(MemoryModel):
         n = int(offset[-1])
         parent = list(range(n))
         size = [0] * n  # gcd of the factor sizes a class's dims carry
+        owner = np.repeat(np.arange(len(g.shapes)), np.diff(offset))
+        values: dict[int, set[int]] = {}  # per root of a merged class: its values
         for v, shape in enumerate(g.shapes):
             for d, s in enumerate(shape):
                 size[offset[v] + d] = s
 
+        def held(k: int) -> set[int]:
+            v = int(owner[k])
+            return values.get(k) or ({v} if len(g.shapes[v]) > 1 else set())
+
+        def union(k: int, other: int) -> int | None:
+            """Merge two roots; None when a value would hold two dims of the result."""
+            small, big = held(k), held(other)
+            if len(small) > len(big):
+                k, other, small, big = other, k, big, small
+            if any(v in big for v in small):
+                return None
+            values.setdefault(other, set(big)).update(small)
+            values.pop(k, None)
+            parent[k] = other
+            size[other] = math.gcd(size[other], size[k])
+            return other
+
+        self.cuts: dict[int, frozenset[tuple[int, int]]] = {}
         majors: dict[int, list[tuple[int, int]]] = {}  # per rule: (tensor, dim, factor)
-        for app in g.apps:
+        for a, app in enumerate(g.apps):
             rule = app.rule
             entries = majors.get(id(rule))
             if entries is None:
@@ -186,20 +210,30 @@ class Problem(MemoryModel):
                 majors[id(rule)] = entries
             vids = (*app.operands, *app.results)
             first: dict[int, int] = {}
+            cut = []
             for t, d, f in entries:
                 k = find_root(parent, int(offset[vids[t]]) + d)
                 fs = rule.factors[f].size
                 if size[k] % fs:
                     size[k] = math.gcd(size[k], fs)
+                claims = {find_root(parent, r): h for h, r in first.items()}
                 other = first.get(f)
                 if other is None:
+                    if claims.get(k, f) != f:
+                        cut.append((t, d))
+                        continue
                     first[f] = k
                     continue
                 other = find_root(parent, other)
-                if other != k:
-                    parent[k] = other
-                    size[other] = math.gcd(size[other], size[k])
-                first[f] = other
+                if other == k:
+                    continue
+                root = None if claims.get(k, f) != f else union(k, other)
+                if root is None:
+                    cut.append((t, d))
+                    continue
+                first[f] = root
+            if cut:
+                self.cuts[a] = frozenset(cut)
         self.root = [find_root(parent, k) for k in range(n)]
         self.class_size = size
 
@@ -261,12 +295,6 @@ class Problem(MemoryModel):
             for d, axes in enumerate(dims):
                 if axes is not None and g.shapes[v][d] > 1:
                     pinned.setdefault(self._key(v, d), axes)
-        twice = set()  # classes two dims of one tensor share: never sharded
-        for v, shape in enumerate(g.shapes):
-            if len(shape) > 1:
-                keys = [self._key(v, d) for d, s in enumerate(shape) if s > 1]
-                if len(set(keys)) < len(keys):
-                    twice.update(k for k in keys if keys.count(k) > 1)
         self.decisions: list[Decision] = []
         self.fixed: list[Axes] = [()]
         fixed_index = {(): 0}
@@ -280,7 +308,7 @@ class Problem(MemoryModel):
                 if j == len(self.fixed):
                     self.fixed.append(axes)
                 self.ref[k] = -1 - j
-            elif k in members and k not in twice:
+            elif k in members:
                 key = frozenset(members[k])
                 dec = by_members.get(key)
                 if dec is None:
@@ -474,36 +502,39 @@ class Problem(MemoryModel):
                     f for f, factor in enumerate(rule.factors)
                     if factor.kind is not FactorKind.PASS and factor.size > 1
                 )  # fmt: skip
-            if not kinds:
+            cut = self.cuts.get(a, frozenset())
+            if not kinds and not cut:
                 continue
             vids = (*app.operands, *app.results)
-            key = (id(rule), tuple(self.refs(v) for v in vids))
+            key = (id(rule), tuple(self.refs(v) for v in vids), cut)
             entry = sigs.get(key)
             if entry is None:
                 sigs[key] = [app, runs[a]]
             else:
                 entry[1] += runs[a]
-        for (_, refs), (app, count) in sigs.items():
+        for (_, refs, cut), (app, count) in sigs.items():
             free = {r for rs in refs for r in rs if r >= 0}
             if not free:
-                t, b = self._app_cost(app, refs, {})
+                t, b = self._app_cost(app, refs, {}, cut)
                 self.constant_time += count * t
                 self.constant_bytes += count * b
                 continue
             term = self._term(free)
             for n, choice in self._combos(term):
-                cost = self._app_cost(app, refs, choice)
+                cost = self._app_cost(app, refs, choice, cut)
                 if cost is None:
                     term.allowed[n] = False
                     continue
                 term.time[n] += count * cost[0]
                 term.bytes[n] += count * cost[1]
 
-    def _app_cost(self, app, refs, choice) -> tuple[float, float] | None:
+    def _app_cost(self, app, refs, choice, cut=frozenset()) -> tuple[float, float] | None:
         """(µs, bytes) of the collectives an application needs under a choice; None when
         the choice shards a need-replication factor on an axis another factor of the
-        equation uses (a sharded table row gathered by indices sharded the same way:
-        XLA exchanges the whole result for it, which the rules do not predict)."""
+        equation uses (a sharded table row
+        gathered by indices sharded the same way: XLA exchanges the whole result for it,
+        which the rules do not predict). A dim ``cut`` from its factor (`_classes`) is
+        moved: an operand to the factor's layout before, a result from it after."""
         g, rule = self.graph, app.rule
         vids = (*app.operands, *app.results)
         layouts = []
@@ -514,11 +545,24 @@ class Problem(MemoryModel):
             layouts.append(lay)
         tensors = (*rule.operands, *rule.results)
         factor_axes: dict[int, Axes] = {}
+        majors: dict[tuple[int, int], int] = {}
+        moved = set(cut)
         for t, dims in enumerate(tensors):
             for d, fl in enumerate(dims):
                 big = [f for f in fl if rule.factors[f].size > 1]
-                if big and layouts[t][d]:
-                    factor_axes.setdefault(big[0], layouts[t][d])
+                if not big:
+                    continue
+                f = majors[t, d] = big[0]
+                axes = layouts[t][d]
+                if not axes or (t, d) in cut or factor_axes.get(f) == axes:
+                    continue
+                taken = {a for h, other in factor_axes.items() if h != f for a in other}
+                if f in factor_axes or taken.intersection(axes):
+                    # two factors in one class (classes merged after this equation
+                    # was cut): the later dims move to the earlier factors' layout
+                    moved.add((t, d))
+                else:
+                    factor_axes[f] = axes
         for f, axes in factor_axes.items():
             if rule.factors[f].kind is FactorKind.NEED_REPLICATION and any(
                 a in other for h, other in factor_axes.items() if h != f for a in axes
@@ -536,24 +580,23 @@ class Problem(MemoryModel):
         n_ops = len(rule.operands)
         for t, dims in enumerate(tensors):
             v = vids[t]
-            if t >= n_ops and partial:
+            work = list(layouts[t])  # the layout the equation works in
+            for d in range(len(dims)):
+                if (t, d) in moved:
+                    work[d] = factor_axes.get(majors[t, d], ())
+                if t < n_ops and need and any(f in need for f in dims[d]):
+                    work[d] = ()
+            if t >= n_ops and (partial or work != list(layouts[t])):
                 steps += reshard_collectives(
-                    g.shapes[v], g.dtypes[v], layouts[t], layouts[t], self.sizes, partial
+                    g.shapes[v], g.dtypes[v], work, layouts[t], self.sizes, partial
                 )
-            if t < n_ops and need:
-                dst = list(layouts[t])
-                for d, fl in enumerate(dims):
-                    if any(f in need for f in fl):
-                        dst[d] = ()
-                if tuple(dst) != layouts[t]:
-                    steps += reshard_collectives(
-                        g.shapes[v], g.dtypes[v], layouts[t], dst, self.sizes
-                    )
+            elif t < n_ops and work != list(layouts[t]):
+                steps += reshard_collectives(g.shapes[v], g.dtypes[v], layouts[t], work, self.sizes)
         seconds = sum(self.cost_model.collective_time(s.axes, s.bytes) for s in steps)
         if self.cost_model.flops:
-            work = 2 * math.prod(f.size for f in rule.factors)
+            flops = 2 * math.prod(f.size for f in rule.factors)
             split = math.prod(self.sizes[a] for axes in factor_axes.values() for a in axes)
-            seconds += work / split / self.cost_model.flops
+            seconds += flops / split / self.cost_model.flops
         return seconds * US, sum(b for _, _, b in steps)
 
     def _uses(self, v: int) -> list[int]:
