@@ -23,7 +23,7 @@ from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes
 from jaxshard.plan import dead_apps, trace_graph
 from jaxshard.search import group_key, search_hints, solver
 from jaxshard.search.memory import fused_liveness
-from jaxshard.search.problem import Problem
+from jaxshard.search.problem import Problem, term_index
 from jaxshard.trace import arg_names
 from jaxshard.verify import verify
 
@@ -381,6 +381,52 @@ def test_a_hinted_batch_keeps_its_axes(gpt, mesh):
     plan = result.plan
     tok = plan.graph.in_vids[arg_names(step, args, {})[0].index("batch/tok")]
     assert plan.dims[tok][0] == ("data",)
+
+
+def _self_attention(w, x):
+    q, k = x @ w["q"], x @ w["k"]  # (positions, features)
+    return jnp.sum(jax.nn.softmax(q @ k.T, axis=-1) @ x)
+
+
+def test_query_and_key_positions_are_cut_apart(mesh):
+    """Attention puts a sequence's positions on two dims of its scores: the class is cut
+    where they would meet, so the positions stay a decision, and splitting them prices
+    the keys' gather."""
+    f32 = jnp.float32
+    w = {n: jax.ShapeDtypeStruct((16, 16), f32) for n in ("q", "k")}
+    args = (w, jax.ShapeDtypeStruct((64, 16), f32))
+    traced, graph = trace_graph(jax.grad(_self_attention), args, {}, mesh)
+    problem = Problem(traced, graph, mesh, {}, BYTES_ONLY, None)
+    assert problem.cuts
+    positions = problem.refs(graph.in_vids[-1])[0]
+    assert positions >= 0, "the positions are a decision"
+    choice = problem.baseline()
+    choice[positions] = problem.decisions[positions].candidates.index(("model",))
+    assert all(t.allowed[term_index(t, choice)] for t in problem.terms.values())
+    assert problem.comm(choice)[1] > problem.comm(problem.baseline())[1]
+
+
+def test_a_batch_of_one_is_split_along_its_sequence(mesh):
+    """One sequence per step: the batch dim cannot be split, and a budget that only
+    sequence (context) parallelism meets makes the search split the positions; the
+    compiled program keeps the budget and the prediction, and trains like unsharded."""
+    cfg = models.GPTConfig(seq=256)
+    opt = optax.adamw(1e-3)
+    params = models.init_gpt(jax.random.key(0), cfg)
+    args = (params, opt.init(params), models.make_batch_gpt(jax.random.key(1), cfg, 1))
+    step = models.make_train_step(functools.partial(models.gpt_loss, cfg=cfg), opt)
+    budget = 2.2 * 2**20  # replicated: 11 MiB; without splitting positions: 2.6 MiB at best
+    result = search_hints(step, args, {}, mesh, {}, memory_budget=budget)
+    assert result.hints["batch/tok"][1] is not None, result.hints["batch/tok"]
+    sharded = jaxshard.auto_shard(mesh, result.hints)(step)
+    compiled = sharded.lower(*args).compile()
+    assert compiled_memory(compiled) <= budget
+    checked = verify(sharded.plan(*args))
+    assert checked.compiled_bytes == pytest.approx(result.predicted_bytes, rel=0.05)
+    (_, got, loss), (_, want, ref_loss) = sharded(*args), jax.jit(step)(*args)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    # Adam's first moment is linear in the gradients (its update divides near-zero ones)
+    assert_leaves_match(got[0].mu, want[0].mu)
 
 
 def test_search_plans_its_storage_layouts_once(gpt, mesh, megatron, monkeypatch):
