@@ -5,7 +5,11 @@ Outline, module by module:
 1. `problem` builds the problem from the traced graph. Propagation moves a sharding along
    the factors of every rule, so the (value, dim) pairs one factor connects form a *dim
    class* (the residual stream's model dim across all layers, one layer's attention
-   heads, the batch): whatever axes one member carries, propagation gives to all. A class
+   heads, the batch): whatever axes one member carries, propagation gives to all. Where
+   a factor would put one class on two dims of a tensor (attention's query and key
+   positions of one sequence) or on two factors of one equation, that dim is cut from
+   the factor instead and the equation prices moving it (the keys gathered for a
+   sequence split over a mesh axis): the positions stay one decision. A class
    is pinned by a hint, decided if it holds a dim of an undecided argument, else
    replicated. Repeated layers share decisions: arguments are grouped by their path with
    layer indices as ``*`` (``params/layers/*/attn/wq``) and shape, optimizer state joins

@@ -557,12 +557,12 @@ class Problem(MemoryModel):
                 if not axes or (t, d) in cut or factor_axes.get(f) == axes:
                     continue
                 taken = {a for h, other in factor_axes.items() if h != f for a in other}
-                if f in factor_axes or taken.intersection(axes):
+                if cut and (f in factor_axes or taken.intersection(axes)):
                     # two factors in one class (classes merged after this equation
                     # was cut): the later dims move to the earlier factors' layout
                     moved.add((t, d))
                 else:
-                    factor_axes[f] = axes
+                    factor_axes.setdefault(f, axes)
         for f, axes in factor_axes.items():
             if rule.factors[f].kind is FactorKind.NEED_REPLICATION and any(
                 a in other for h, other in factor_axes.items() if h != f for a in axes
