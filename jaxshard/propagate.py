@@ -511,48 +511,63 @@ class Propagator:
         resharded). Same policy as a factor's conflict: a factor holding the axis from
         a hint beats one holding it by default, then the fewest bytes moved at this
         application (see `_app_cost`), then a pass-through factor over a reduction (no
-        pending partial sum), then the major factor."""
-        factors = self.graph.apps[a].rule.factors
-        origins = self.state.origins
+        pending partial sum), then the major factor. Factors given the same several
+        axes (a sequence's query and key positions, both over ``('data', 'model')``)
+        are decided as a whole first: one keeps them all, rather than each keeping one
+        and the result taking a layout that neither side has."""
+        by_axes: dict[Axes, list[int]] = {}
+        for f in sorted(values):
+            if len(values[f]) > 1:
+                by_axes.setdefault(values[f], []).append(f)
+        for axes, fs in by_axes.items():
+            if len(fs) > 1:
+                self._give_axes(a, values, cands, axes, fs)
         owners: dict[str, list[int]] = {}
         for f in sorted(values):
             for axis in values[f]:
                 owners.setdefault(axis, []).append(f)
         for axis, fs in sorted(owners.items()):
-            if len(fs) < 2:
-                continue
-            holders = {
-                f: [(vid, d) for axes, vid, d in cands.get(f, ()) if axis in axes] for f in fs
-            }
-            rank = {f: max((origins[v][d].rank for v, d in holders[f]), default=0) for f in fs}
-            top = max(rank.values())
-            pool = [f for f in fs if rank[f] == top]
-            costs = {}
-            for f in pool:
-                trial = dict(values)
-                for loser in fs:
-                    if loser != f:
-                        trial[loser] = tuple(x for x in trial[loser] if x != axis)
-                costs[f] = self._app_cost(a, trial)
-            chosen = min(pool, key=lambda f: (costs[f], factors[f].kind is FactorKind.REDUCTION, f))
-            if len(pool) == 1:
-                reason = _RANK_REASON
-            else:
-                shown = ", ".join(f"to {factors[f].name}: {self._shown(costs[f])}" for f in pool)
-                reason = self._cost_reason(shown)
+            if len(fs) > 1:
+                self._give_axes(a, values, cands, (axis,), fs)
+
+    def _give_axes(self, a: int, values, cands, axes: Axes, fs: list[int]) -> None:
+        """`_give_each_axis_once` for one group of ``axes`` held by the factors ``fs``."""
+        factors = self.graph.apps[a].rule.factors
+        origins = self.state.origins
+        holders = {
+            f: [(vid, d) for held, vid, d in cands.get(f, ()) if set(axes) & set(held)]
+            for f in fs
+        }
+        rank = {f: max((origins[v][d].rank for v, d in holders[f]), default=0) for f in fs}
+        top = max(rank.values())
+        pool = [f for f in fs if rank[f] == top]
+        costs = {}
+        for f in pool:
+            trial = dict(values)
             for loser in fs:
-                if loser == chosen:
-                    continue
-                kept = tuple(x for x in values[loser] if x != axis)
-                self.state.conflicts[ConflictKey(a, loser, axis)] = Conflict(
-                    a,
-                    f"factor {factors[loser].name} (mesh axis {axis!r} also shards factor "
-                    f"{factors[chosen].name}; one axis goes to one factor)",
-                    {values[loser]: holders[loser]},
-                    kept,
-                    f"{axis!r} went to factor {factors[chosen].name}: {reason}",
-                )
-                values[loser] = kept
+                if loser != f:
+                    trial[loser] = tuple(x for x in trial[loser] if x not in axes)
+            costs[f] = self._app_cost(a, trial)
+        chosen = min(pool, key=lambda f: (costs[f], factors[f].kind is FactorKind.REDUCTION, f))
+        if len(pool) == 1:
+            reason = _RANK_REASON
+        else:
+            shown = ", ".join(f"to {factors[f].name}: {self._shown(costs[f])}" for f in pool)
+            reason = self._cost_reason(shown)
+        what = f"axes {format_dim(axes)}" if len(axes) > 1 else f"axis {axes[0]!r}"
+        for loser in fs:
+            if loser == chosen:
+                continue
+            kept = tuple(x for x in values[loser] if x not in axes)
+            self.state.conflicts[ConflictKey(a, loser, axes[0])] = Conflict(
+                a,
+                f"factor {factors[loser].name} (mesh {what} also shards factor "
+                f"{factors[chosen].name}; one axis goes to one factor)",
+                {values[loser]: holders[loser]},
+                kept,
+                f"{what} went to factor {factors[chosen].name}: {reason}",
+            )
+            values[loser] = kept
 
     def _app_cost(self, a: int, values: dict[int, Axes]) -> float:
         """The cost (`_price`) to work at application ``a`` with factor shardings
