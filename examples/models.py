@@ -589,6 +589,7 @@ HINT_SETS: dict[str, dict[str, dict[str, P]]] = {
         "fsdp+tp": {**_BATCH, r"params/layers/\d+/attn/wq": P("data", "model"),
                     r"params/layers/\d+/mlp/w1": P("data", "model")},
         "batch": {**_BATCH},
+        "seq": {r"batch/.*": P("data", "model")},
     },
     "llama": {
         "tp": {**_BATCH, r"params/layers/wq": P(None, None, "model"), r"params/layers/w_gate": P(None, None, "model")},
@@ -596,6 +597,7 @@ HINT_SETS: dict[str, dict[str, dict[str, P]]] = {
         "fsdp+tp": {**_BATCH, r"params/layers/wq": P(None, "data", "model"),
                     r"params/layers/w_gate": P(None, "data", "model")},
         "batch": {**_BATCH},
+        "seq": {r"batch/.*": P(None, ("data", "model"))},
     },
     "moe": {
         "tp": {**_BATCH, r"params/experts/w_in": P(None, None, "model")},

@@ -83,6 +83,51 @@ def ring_bytes(kind: str, n: int, local: float) -> float:
     return 2 * share if kind == "all-reduce" else share
 
 
+class PartialSum(frozenset):
+    """The mesh axes over which a value holds pending partial sums, grouped by the
+    reduction factor that left them: XLA sums each group in an all-reduce of its own (a
+    weight gradient contracting a batch split over "data" and positions split over
+    "model" is two all-reduces, one per axis, not one over both). A frozenset of the
+    axes everywhere else.
+
+    Example:
+        >>> s = PartialSum([("data",), ("model",)])
+        >>> sorted(s), s.groups, "data" in s
+        (['data', 'model'], (('data',), ('model',)), True)
+        >>> s.kept(lambda axis: axis != "data").groups
+        (('model',),)
+    """
+
+    groups: tuple[tuple[str, ...], ...]
+
+    def __new__(cls, groups=()):
+        groups = tuple(tuple(g) for g in groups if g)
+        self = super().__new__(cls, (a for g in groups for a in g))
+        self.groups = groups
+        return self
+
+    def __reduce__(self):
+        return PartialSum, (self.groups,)
+
+    def kept(self, keep) -> PartialSum:
+        """The axes ``keep(axis)`` accepts, in their groups."""
+        return PartialSum(tuple(a for a in g if keep(a)) for g in self.groups)
+
+
+def partial_groups(partial: frozenset[str]) -> tuple[tuple[str, ...], ...]:
+    """The all-reduce groups of pending ``partial`` sums: a `PartialSum`'s own, else one
+    group of every axis.
+
+    Example:
+        >>> partial_groups(frozenset({"data", "model"}))
+        (('data', 'model'),)
+    """
+    groups = getattr(partial, "groups", None)
+    if groups is not None:
+        return groups
+    return (tuple(sorted(partial)),) if partial else ()
+
+
 class PlannedCollective(NamedTuple):
     """One collective a reshard calls for: its kind, the mesh axes it runs over, and the
     bytes one device sends (ring volumes). Prints as the plan's explanation shows it.
@@ -150,6 +195,7 @@ def reshard_collectives(
     # an axis of size 1 moves nothing: XLA emits no collective over it
     src = [tuple(a for a in d or () if axis_sizes[a] > 1) for d in src]
     dst = [tuple(a for a in d or () if axis_sizes[a] > 1) for d in dst]
+    groups = partial_groups(partial)
     partial = frozenset(a for a in partial if axis_sizes[a] > 1)
     total = nbytes(shape, dtype)
     where_src = {a: i for i, d in enumerate(src) for a in d}
@@ -159,11 +205,13 @@ def reshard_collectives(
     out: list[PlannedCollective] = []
     scattered = sorted(a for a in partial if a in where_dst)
     reduced = sorted(a for a in partial if a not in where_dst)
-    if reduced:
-        n = math.prod(axis_sizes[a] for a in reduced)
-        out.append(
-            PlannedCollective("all-reduce", tuple(reduced), ring_bytes("all-reduce", n, local_src))
-        )
+    for group in groups:  # one all-reduce per reduction factor's axes, as XLA emits them
+        axes = tuple(sorted(a for a in group if a in reduced))
+        if axes:
+            n = math.prod(axis_sizes[a] for a in axes)
+            out.append(
+                PlannedCollective("all-reduce", axes, ring_bytes("all-reduce", n, local_src))
+            )
     if scattered:  # the input is whole along the scattered axes, whatever ``src`` says
         n = math.prod(axis_sizes[a] for a in scattered)
         whole = [tuple(a for a in d if a not in scattered) for d in src]

@@ -487,7 +487,7 @@ def app_moves(
     results = prop.graph.apps[a].results
     wants: dict[int, list[DimSharding]] = {}
     working, axes = prop.working(a)
-    axes = frozenset(x for x in axes if axis_sizes[x] > 1)  # one device: summed already
+    axes = axes.kept(lambda x: axis_sizes[x] > 1)  # one device: summed already
     for vid, d, want in working:
         if want is not None and dims[vid][d] != want:
             wants.setdefault(vid, list(dims[vid]))[d] = want

@@ -26,7 +26,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from jaxshard.annotate import Pin
-from jaxshard.cost import CostModel, reshard_collectives
+from jaxshard.cost import CostModel, PartialSum, reshard_collectives
 from jaxshard.errors import JaxshardBug
 from jaxshard.graph import Graph
 from jaxshard.lattice import Axes, DimSharding, format_dim, join_axes, split_axes
@@ -535,8 +535,7 @@ class Propagator:
         factors = self.graph.apps[a].rule.factors
         origins = self.state.origins
         holders = {
-            f: [(vid, d) for held, vid, d in cands.get(f, ()) if set(axes) & set(held)]
-            for f in fs
+            f: [(vid, d) for held, vid, d in cands.get(f, ()) if set(axes) & set(held)] for f in fs
         }
         rank = {f: max((origins[v][d].rank for v, d in holders[f]), default=0) for f in fs}
         top = max(rank.values())
@@ -589,8 +588,8 @@ class Propagator:
                 want, _ = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
             if want is not None and want != have:
                 work.setdefault(t, list(dims[vids[t]]))[d] = want
-        partial = frozenset(
-            x for f, axes in values.items() if factors[f].kind is FactorKind.REDUCTION for x in axes
+        partial = PartialSum(
+            axes for f, axes in sorted(values.items()) if factors[f].kind is FactorKind.REDUCTION
         )
         total = 0.0
         for t, vid in enumerate(vids):
@@ -684,11 +683,8 @@ class Propagator:
             else:
                 want, _ = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
             out.append((vids[t], d, want))
-        partial = frozenset(
-            ax
-            for f, axes in values.items()
-            if factors[f].kind is FactorKind.REDUCTION
-            for ax in axes
+        partial = PartialSum(
+            axes for f, axes in sorted(values.items()) if factors[f].kind is FactorKind.REDUCTION
         )
         return out, partial
 

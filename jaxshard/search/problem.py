@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec
 from jaxshard.annotate import ExactPath
 from jaxshard.cost import (
     Liveness,
+    PartialSum,
     executions,
     liveness,
     nbytes,
@@ -570,9 +571,9 @@ class Problem(MemoryModel):
                 decided = any(r >= 0 for rs in refs for r in rs)
                 if decided:
                     return None
-        partial = frozenset(
-            a for f, axes in factor_axes.items()
-            if rule.factors[f].kind is FactorKind.REDUCTION for a in axes
+        partial = PartialSum(
+            axes for f, axes in sorted(factor_axes.items())
+            if rule.factors[f].kind is FactorKind.REDUCTION
         )  # fmt: skip
         need = {f for f, axes in factor_axes.items()
                 if rule.factors[f].kind is FactorKind.NEED_REPLICATION}  # fmt: skip
