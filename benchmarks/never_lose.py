@@ -3,7 +3,8 @@
 For each quality workload (``workloads.quality_workloads``: GPT, Llama-scan, MoE, conv
 net at moderate sizes, AdamW) on the 2x4 (data, model) mesh and each hint set of
 ``examples/models.HINT_SETS`` (tensor parallel, FSDP, FSDP + tensor parallel or expert
-parallel, batch only), three programs are compiled and read:
+parallel, batch only; for GPT and Llama also the positions split: context parallel),
+three programs are compiled and read:
 
 - jaxshard: ``auto_shard(mesh, hints)``; with its predicted collective bytes;
 - Shardy alone, results keep their layout: `jax.jit` with the hints as ``in_shardings``,

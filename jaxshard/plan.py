@@ -829,8 +829,18 @@ def _divides(layout: Sequence[DimSharding], shape: Sequence[int], sizes: Mapping
 
 def _refines(layout: Sequence[DimSharding], dims: Sequence[DimSharding]) -> bool:
     """Whether ``layout`` only adds minor axes to each dim of ``dims`` (its shards are
-    slices of theirs); a dim ``layout`` leaves open keeps what it has."""
-    return all(
+    slices of theirs) and no axis another dim keeps; a dim ``layout`` leaves open keeps
+    what it has.
+
+    Example:
+        >>> _refines([("data", "model"), None], [("data",), ()])
+        True
+        >>> _refines([("data",), None], [(), ("data",)])  # "data" on both dims
+        False
+    """
+    merged = [have if want is None else want for want, have in zip(layout, dims, strict=True)]
+    used = [a for axes in merged for a in axes or ()]
+    return len(used) == len(set(used)) and all(
         want is None or tuple(want[: len(have or ())]) == tuple(have or ())
         for want, have in zip(layout, dims, strict=True)
     )

@@ -1,7 +1,8 @@
 """Plans never lose to `jax.jit` with the same hints ("Shardy alone").
 
 For every example model and four hint sets each (tensor parallel, FSDP, FSDP + tensor
-parallel or expert parallel, batch only), both programs are compiled and measured:
+parallel or expert parallel, batch only), and for GPT and Llama a fifth that splits the
+sequence's positions (context parallel), both programs are compiled and measured:
 jaxshard's collective bytes are at most 1.05x and its per-device memory at most 1.0x of
 Shardy alone's, where Shardy alone returns the new parameters and optimizer state in
 the layout it took them (`jaxshard.baseline.shardy_alone`, ``results="keep"``), as a
