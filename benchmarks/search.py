@@ -4,6 +4,7 @@
     python -m benchmarks.search --quick          # the examples' tiny models (a smoke run)
     python -m benchmarks.search --compile-large  # also compile the 48-layer GPT (minutes)
     python -m benchmarks.search --targets        # only the memory-bound targets table
+    python -m benchmarks.search --sequence       # only the long-sequence table
 
 *Targets* (first table; `targets`): the 12-layer GPT (d 768, seq 256, batch 16) on the
 2x4 mesh against two hand layouts compiled by `jax.jit` with full in/out shardings
@@ -17,6 +18,12 @@ search compiles its plans; its seconds include those compiles). Target (b): no h
 Megatron's compiled memory; compiled memory at most 0.9x Megatron's and modeled step
 time (per-device flops / 1e14 + ring bytes / 1e11, both read from the compiled program:
 ``compiled.cost_analysis()['flops']`` and `benchmarks.hlo.collective_stats`) at most ZeRO-3's, search under 20 s.
+
+*One long sequence* (second table; `sequence`, ``--sequence``): a 4-layer GPT (d 768,
+seq 2048) with batch 1, so the batch dim cannot be split; no hints. The search within
+0.6x the compiled memory of Megatron tensor parallelism (its data axis idle), which only
+splitting the positions meets, and without a budget; against Megatron TP and Megatron TP
+with the positions split over "data" by hand (context parallel), all compiled.
 
 Every model is an AdamW train step (`benchmarks.workloads`) with abstract arguments, on
 the 2x4 (data, model) mesh, with only the batch hinted (``batch/.*: P('data')``). Rows:
@@ -195,6 +202,9 @@ def search_row(
     row.search_s, row.optimal = result.seconds, result.optimal
     row.predicted, row.estimated_memory = result.predicted_bytes, result.memory_bytes
     row.note = _summary(result.hints)
+    if hints == {}:  # the search chose the batch's layout too
+        tok = next((s for k, s in result.hints.items() if str(k).endswith("batch/tok")), None)
+        row.note = f"batch/tok {tok}; {row.note}"
     log(f"    {label}: {result.explanation.splitlines()[0]}")
     if compile_it:
         measure_compiled(row, w, step)
@@ -289,6 +299,64 @@ def targets(log=print, quick: bool = False) -> str:
     return text
 
 
+LONG_GPT = dict(n_layers=4, d_model=768, n_heads=12, d_ff=3072, seq=2048, vocab=8192)
+
+
+def sequence(log=print, quick: bool = False) -> str:
+    """One long sequence per step (batch 1: the batch dim cannot be split), no hints: the
+    search within a budget that only splitting the positions meets, against Megatron
+    tensor parallelism (its data axis idle) and the same with the positions split over
+    "data" by hand (context parallel), all compiled."""
+    mesh = meshes()["2x4 (data, model)"]
+    cfg = models.GPTConfig(seq=256) if quick else models.GPTConfig(**LONG_GPT)
+    w = workload("GPT, one long sequence" if not quick else "GPT (tiny), one sequence",
+                 "gpt", cfg, 1)  # fmt: skip
+    log(f"[search sequence] {w.describe()}")
+    megatron = hand_row("Megatron TP (jax.jit)", w, mesh, layouts.megatron("gpt"), P())
+    context = hand_row(
+        "Megatron TP + positions on data (jax.jit)", w, mesh, layouts.megatron("gpt"),
+        P(None, "data"),
+    )  # fmt: skip
+    budget = SEQUENCE_BUDGET * megatron.memory
+    rows = [
+        search_row(
+            f"search: no hints, budget = {SEQUENCE_BUDGET} x Megatron TP",
+            w,
+            mesh,
+            budget,
+            True,
+            log,
+            hints={},
+        ),  # fmt: skip
+        search_row("search: no hints, no budget", w, mesh, None, True, log, hints={}),
+        megatron,
+        context,
+    ]
+    head = (
+        f"\n### One long sequence: {w.describe()}, 2x4 (data, model)\n\n"
+        "| layout | search s | predicted MiB | compiled ring MiB | memory MiB (compiled) | "
+        "estimated memory MiB | vs Megatron TP: bytes, memory | tokens | notes |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        versus = "—"
+        if r.ring is not None and r.memory:
+            versus = f"{_ratio(r.ring, megatron.ring)}, {r.memory / megatron.memory:.2f}x"
+        tokens = r.note.split("; ", 1)[0] if r.search_s is not None else "—"
+        note = r.note.split("; ", 1)[-1] if r.search_s is not None else r.note
+        lines.append(
+            f"| {r.layout} | {_search_seconds(r)} | {_mib(r.predicted)} | {_mib(r.ring)} | "
+            f"{_mib(r.memory)} | {_mib(r.estimated_memory)} | {versus} | {tokens} | {note} |"
+        )
+    text = head + "\n".join(lines) + "\n"
+    log(text)
+    return text
+
+
+SEQUENCE_BUDGET = 0.6  # of Megatron TP's compiled memory: more than tensor parallelism gives
+
+
 def _search_seconds(r: Row) -> str:
     """A row's search seconds, marked when the time limit stopped the solver."""
     secs = "—" if r.search_s is None else f"{r.search_s:.1f}"
@@ -326,7 +394,7 @@ def _yes(ok: bool) -> str:
 
 def run(quick: bool = False, compile_large: bool = False, log=print) -> str:
     mesh = meshes()["2x4 (data, model)"]
-    tables = [targets(log, quick)]
+    tables = [targets(log, quick), sequence(log, quick)]
     for w, compile_it in workloads(quick):
         compile_it = compile_it or compile_large
         log(f"[search] {w.describe()}")
@@ -396,8 +464,14 @@ def main() -> None:
     parser.add_argument("--compile-large", action="store_true", help="compile the 48-layer GPT")
     parser.add_argument("--targets", action="store_true", help="only the targets table")
     parser.add_argument("--out", help="also write the tables to this markdown file")
+    parser.add_argument("--sequence", action="store_true", help="only the long-sequence table")
     args = parser.parse_args()
-    text = targets(quick=args.quick) if args.targets else run(args.quick, args.compile_large)
+    if args.targets:
+        text = targets(quick=args.quick)
+    elif args.sequence:
+        text = sequence(quick=args.quick)
+    else:
+        text = run(args.quick, args.compile_large)
     if args.out:
         with open(args.out, "w") as f:
             f.write("# Search against hand-written layouts\n" + text)
