@@ -188,9 +188,12 @@ class Problem(MemoryModel):
             small, big = held(k), held(other)
             if len(small) > len(big):
                 k, other, small, big = other, k, big, small
-            if any(v in big for v in small):
+            if not small.isdisjoint(big):
                 return None
-            values.setdefault(other, set(big)).update(small)
+            merged = values.get(other)
+            if merged is None:  # a class of one dim so far: its set is made here
+                merged = values[other] = set(big)
+            merged.update(small)
             values.pop(k, None)
             parent[k] = other
             size[other] = math.gcd(size[other], size[k])
