@@ -222,7 +222,12 @@ def _calibrated(problem, budget: float, settle, first: tuple, say) -> _Checked:
             break
         problem.budget = _next_target([(c.memory.total, c.compiled) for c in checked], budget)
         found = settle(problem.budget, strict=False)
-        if any(found[2] == c.choice for c in checked):
+        # the same hints (choices differing only in decisions no leaf shows plan alike),
+        # or an unproven layout the estimate already puts over the target: not compiled
+        hints = problem.hints_for(found[2])
+        if any(hints == problem.hints_for(c.choice) for c in checked):
+            break
+        if not found[3] and found[1].total > problem.budget:
             break
     fits = [c for c in checked if c.compiled <= budget]
     if not fits:
