@@ -2,8 +2,9 @@
 the batch hinted, the search matches or beats the hand-written Megatron layout, honours
 memory budgets (a fitting layout, or an error naming the smallest footprint; with
 ``calibrate_memory`` in the compiled program) and time limits, and gives every layer the
-same decision. The cost model's time and memory
-pieces are checked on their own."""
+same decision; with one sequence per step it splits the sequence's positions (attention's
+query and key positions cut into two classes). The cost model's time and memory pieces
+are checked on their own."""
 
 import functools
 import re
