@@ -581,7 +581,8 @@ MODELS: dict[str, tuple[type, Callable, Callable, Callable]] = {
 # Hint sets per model on a (data, model) mesh: tensor parallel ("tp"), FSDP (a weight dim
 # stored on the batch's axis), FSDP + tensor parallel or expert parallel, and the batch
 # alone, each with the batch on "data"; for GPT and Llama also the sequence's positions
-# split ("seq", context parallel: on "model" beside the batch, or over both axes). The plan-quality tests and benchmarks use them.
+# split ("seq", context parallel: on "model" beside the batch, or over both axes). The
+# plan-quality tests and benchmarks use them.
 _BATCH = {r"batch/.*": P("data")}
 HINT_SETS: dict[str, dict[str, dict[str, P]]] = {
     "gpt": {

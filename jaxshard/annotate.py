@@ -18,16 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax._src import source_info_util  # no public API for source lines yet
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec
 
 from jaxshard.errors import JaxshardWarning, ShardingError, warn
+from jaxshard.jax_compat import exclude_from_tracebacks
 from jaxshard.lattice import DimSharding, check_dims, from_spec, merge_dim, spec_entry
 
 # jaxshard's own frames are not the user's source line in error messages and tracebacks
-source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)))
+exclude_from_tracebacks(os.path.dirname(os.path.abspath(__file__)))
 
 # ``origin`` is "" for a user's `hint`; jaxshard's own pins give (PinKind, text) there
 # (the pipeline's stage layout, which widens the user's hints on the layers it splits)
@@ -190,6 +190,8 @@ def pin_from_spec(
         >>> from jax.sharding import PartitionSpec as P
         >>> pin_from_spec(P("data"), (8, 4), {"data": 2}, "batch/x", "hint").dims
         (('data',), None)
+        >>> pin_from_spec(P(("data", "stage"), "fsdp"), (8, 4), {"data": 2, "stage": 1, "fsdp": 1}, "x", "").dims
+        (('data',), ())
     """
     if not isinstance(spec, PartitionSpec):
         raise ShardingError(
@@ -202,6 +204,10 @@ def pin_from_spec(
         )
     dims = from_spec(spec, len(shape))
     check_dims(dims, shape, axis_sizes, f"{where} ({source})")
+    # a mesh axis of size 1 splits nothing: P(('fsdp', 'expert'), 'stage') on a mesh whose
+    # 'expert' and 'stage' have size 1 is the layout P('fsdp', None), and one layout
+    # has one form (MaxText's rules name every axis of its many-axis mesh)
+    dims = tuple(d if not d else tuple(a for a in d if axis_sizes[a] > 1) for d in dims)
     return Pin(dims, source, kind)
 
 

@@ -37,6 +37,32 @@ def human_bytes(n: float, digits: int = 1) -> str:
     return f"{n:.{digits}f} GiB"
 
 
+def itemsize(dtype) -> int:
+    """Bytes per element; a typed PRNG key counts its key data (2 uint32 for threefry).
+
+    Example:
+        >>> import jax
+        >>> itemsize(np.float32), itemsize(jax.random.key(0).dtype)
+        (4, 8)
+    """
+    if dtype is None:
+        return 0
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:  # an extended dtype (jax.random.key's): not a NumPy type
+        return dtype.itemsize
+
+
+def dtype_name(dtype) -> str:
+    """``float32``, ``key<fry>``; "-" for a value with no dtype (a token)."""
+    if dtype is None:
+        return "-"
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return str(dtype)
+
+
 def nbytes(shape: Sequence[int], dtype) -> int:
     """Global bytes of an array.
 
@@ -44,7 +70,7 @@ def nbytes(shape: Sequence[int], dtype) -> int:
         >>> nbytes((4, 8), np.float32)
         128
     """
-    return math.prod(shape) * (np.dtype(dtype).itemsize if dtype is not None else 0)
+    return math.prod(shape) * itemsize(dtype)
 
 
 def shards(dims: Sequence[DimSharding], axis_sizes: Mapping[str, int]) -> int:

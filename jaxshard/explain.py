@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from jaxshard.cost import compute_flops, human_bytes, nbytes, per_device_bytes
+from jaxshard.cost import compute_flops, dtype_name, human_bytes, nbytes, per_device_bytes
 from jaxshard.lattice import to_spec
 from jaxshard.plan import register_stage
 
@@ -84,7 +82,7 @@ def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False
             [
                 name,
                 str(tuple(shape)),
-                str(np.dtype(dtype)) if dtype is not None else "-",
+                dtype_name(dtype),
                 str(to_spec(dims)),
                 human_bytes(per_device_bytes(shape, dtype, dims, sizes)),
                 plan.origin_text(vid),

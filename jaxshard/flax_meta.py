@@ -77,9 +77,12 @@ def logical_to_spec(
     """Resolve per-dim axis names (mesh axes or logical names) to a partial PartitionSpec.
 
     ``None`` stays replicated, ``P.UNCONSTRAINED`` stays open, mesh axes stay, and each
-    logical name takes its first rule whose mesh axes exist and are still free in this
-    array; a name whose rules are all unavailable is replicated, a name no rule mentions
-    is left open (`P.UNCONSTRAINED`). ``where`` names the array in errors.
+    logical name takes its first available rule: a rule's target is a mesh axis, a list
+    or tuple of them, or ``None``/``[]``/``()`` (replicated); axes this mesh lacks drop
+    out of a target, and a rule is available when some of its axes remain and none is
+    used by another dim of the array. A name whose rules are all unavailable is
+    replicated, a name no rule mentions is left open (`P.UNCONSTRAINED`). ``where``
+    names the array in errors.
 
     Example:
         >>> import jax
@@ -91,6 +94,8 @@ def logical_to_spec(
         P('model', None)
         >>> logical_to_spec(("kv", "data"), mesh, rules)  # no rule for "kv": the planner decides
         P(UNCONSTRAINED, 'data')
+        >>> logical_to_spec(("qkv", "batch"), mesh, [("qkv", []), ("batch", ["data", "fsdp"])])
+        P(None, 'data')
     """
     axes = set(mesh.axis_names if isinstance(mesh, Mesh) else mesh)
     rules = check_rules(rules)
@@ -132,13 +137,16 @@ def logical_to_spec(
         for d, name in enumerate(names):
             if out[d] is not _PENDING or name != logical:
                 continue
-            if target is None:
+            group = () if target is None else (target,) if isinstance(target, str) else target
+            if not group:  # None, [] or (): replicated, as in Flax and MaxText
                 out[d] = None
                 continue
-            group = (target,) if isinstance(target, str) else target
-            if all(a in axes and a not in used for a in group):
-                out[d] = target if isinstance(target, str) or len(target) > 1 else target[0]
-                used.update(group)
+            # axes this mesh lacks drop out of the rule (one list serves several meshes);
+            # a rule left with none is unavailable here and the next one is tried
+            present = tuple(a for a in group if a in axes)
+            if present and not used.intersection(present):
+                out[d] = present[0] if len(present) == 1 else present
+                used.update(present)
     return PartitionSpec(*(None if e is _PENDING else e for e in out))
 
 

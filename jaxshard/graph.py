@@ -29,6 +29,7 @@ from jaxshard.annotate import (
     written_shardings,
 )
 from jaxshard.errors import JaxshardBug, JaxshardWarning, warn
+from jaxshard.jax_compat import source_summary
 from jaxshard.lattice import merge_dim
 from jaxshard.rule import (
     Rule,
@@ -53,12 +54,10 @@ Where = tuple | None  # (enclosing equation, its Where): resolved to a line only
 def source_line(eqn: JaxprEqn, enclosing: Where = None) -> str:
     """The user source line an equation came from, e.g. ``model.py:42 (attention)``; for
     an equation JAX made inside its own functions, the line of the enclosing call."""
-    from jax._src import source_info_util  # no public API for this yet
-
-    line = source_info_util.summarize(eqn.source_info)
+    line = source_summary(eqn.source_info)
     while not line and enclosing is not None:
         eqn, enclosing = enclosing
-        line = source_info_util.summarize(eqn.source_info)
+        line = source_summary(eqn.source_info)
     return line or "<inside JAX>"
 
 

@@ -19,12 +19,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax._src import config, dispatch
-from jax._src import core as jax_core  # Primitive with multiple results, jaxpr_as_fun
-from jax._src.custom_partitioning_sharding_rule import (  # the parser custom_partitioning uses
-    str_to_sdy_sharding_rule,
-)
-from jax._src.interpreters import batching, mlir
 from jax.experimental.custom_partitioning import (
     BATCHING,
     ArrayMapping,
@@ -32,10 +26,18 @@ from jax.experimental.custom_partitioning import (
     SdyShardingRule,
     custom_partitioning,
 )
-from jax.extend.core import ClosedJaxpr, Var
+from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxshard.errors import ShardingError
+from jaxshard.jax_compat import (
+    MultipleResultsPrimitive,
+    batching,
+    mlir,
+    require_devices_while_lowering,
+    shardy_enabled,
+    str_to_sdy_sharding_rule,
+)
 from jaxshard.rule import Factor, FactorKind, Rule
 
 RuleSpec = str | SdyShardingRule
@@ -200,12 +202,12 @@ def _rule_text(sdy: SdyShardingRule) -> str:
 
 # --- the with_rule primitive ----------------------------------------------------------
 
-with_rule_p = jax_core.Primitive("with_rule")
+with_rule_p = MultipleResultsPrimitive("with_rule")
 with_rule_p.multiple_results = True
 
 
 def _impl(*args, jaxpr: ClosedJaxpr, rule: SdyShardingRule, n_ruled: int, name: str, fn):
-    return jax_core.jaxpr_as_fun(jaxpr)(*args)
+    return jaxpr_as_fun(jaxpr)(*args)
 
 
 def _abstract_eval(*avals, jaxpr: ClosedJaxpr, rule, n_ruled, name, fn):
@@ -214,7 +216,7 @@ def _abstract_eval(*avals, jaxpr: ClosedJaxpr, rule, n_ruled, name, fn):
 
 def _batch(args, dims, *, jaxpr, rule, n_ruled, name, fn):
     # under vmap the rule no longer fits the batched shapes: run the body, unwrapped
-    outs = jax.vmap(jax_core.jaxpr_as_fun(jaxpr), in_axes=dims)(*args)
+    outs = jax.vmap(jaxpr_as_fun(jaxpr), in_axes=dims)(*args)
     return outs, [0] * len(outs)
 
 
@@ -425,7 +427,7 @@ def _lower(ctx, *args, jaxpr: ClosedJaxpr, rule, n_ruled, name, fn):
     and runs there, a kernel included. With Shardy off, or when the body captured
     traced values (which cannot be traced again), the body is lowered in place."""
     params = dict(jaxpr=jaxpr, rule=rule, n_ruled=n_ruled, name=name, fn=fn)
-    if not config.use_shardy_partitioner.value or len(args) != len(rule.operand_mappings):
+    if not shardy_enabled() or len(args) != len(rule.operand_mappings):
         return mlir.lower_fun(_impl, multiple_results=True)(ctx, *args, **params)
     shapes = [tuple(a.shape) for a in ctx.avals_in], [tuple(a.shape) for a in ctx.avals_out]
     full = call_rule(params, *shapes)
@@ -443,7 +445,7 @@ with_rule_p.def_effectful_abstract_eval(_abstract_eval)
 mlir.register_lowering(with_rule_p, _lower)
 batching.primitive_batchers[with_rule_p] = _batch
 # its lowering is a custom_partitioning op, which needs the devices while lowering
-dispatch.prim_requires_devices_during_lowering.add(with_rule_p)
+require_devices_while_lowering(with_rule_p)
 
 
 def _bind(fn: Callable, rule: SdyShardingRule, name: str, n_ruled_of: Callable, args):

@@ -23,13 +23,20 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax._src import core as jax_core  # Var and JaxprEqn: no public constructors yet
-from jax._src.named_sharding import UNSPECIFIED  # jit_p's 'no sharding given'
-from jax._src.pjit import jit_p
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.extend.core import primitives as prims
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxshard.jax_compat import (
+    UNSPECIFIED,
+    context_on_mesh,
+    drop_var,
+    is_drop_var,
+    jit_equation_params,
+    jit_p,
+    new_eqn,
+    new_var,
+)
 from jaxshard.lattice import to_spec
 from jaxshard.plan import Plan, auto_view, gc_paused
 from jaxshard.rule import FactorKind, primitive, region_fn_for
@@ -92,9 +99,9 @@ class Eraser:
         new = self.vars.get(var)
         if new is None:
             aval = self.aval(var.aval)
-            if isinstance(var, jax_core.DropVar):
-                return jax_core.DropVar(aval)
-            new = self.vars[var] = var if aval is var.aval else jax_core.Var(aval)
+            if is_drop_var(var):
+                return drop_var(aval)
+            new = self.vars[var] = var if aval is var.aval else new_var(aval)
         return new
 
     def _atom(self, atom: Any) -> Any:
@@ -126,14 +133,7 @@ class Eraser:
             return ctx
         found = self._contexts.get(id(ctx))
         if found is None:
-            meta = None if ctx.xla_metadata is None else tuple(sorted(ctx.xla_metadata.items()))
-            found = self._contexts[id(ctx)] = type(ctx)._create(
-                ctx.compute_type,
-                ctx.threefry_partitionable,
-                _auto_axes(mesh),
-                ctx.remove_size_one_mesh_axis,
-                meta,
-            )
+            found = self._contexts[id(ctx)] = context_on_mesh(ctx, _auto_axes(mesh))
             self._keep.append(ctx)
         return found
 
@@ -280,21 +280,9 @@ class Lowered:
             self.jaxpr = self._rewrite_program(plan)
         n_in, n_out = len(self.in_shardings), len(self.out_shardings)
         name = program_name(plan.traced)
-        params = dict(
-            jaxpr=self.jaxpr,
-            # the enclosing jax.jit carries the argument and result shardings; repeating
-            # them here only adds an identity sharding op per leaf to lower and compile
-            in_shardings=(UNSPECIFIED,) * n_in,
-            out_shardings=(UNSPECIFIED,) * n_out,
-            in_layouts=(None,) * n_in,
-            out_layouts=(None,) * n_out,
-            donated_invars=(False,) * n_in,
-            ctx_mesh=self.mesh,
-            name=name,
-            keep_unused=False,
-            inline=False,
-            compiler_options_kvs=(),
-        )
+        # the enclosing jax.jit carries the argument and result shardings; repeating
+        # them in the equation only adds an identity sharding op per leaf to compile
+        params = jit_equation_params(self.jaxpr, n_in, n_out, self.mesh, name)
 
         def program(*flat):
             return tuple(jit_p.bind(*flat, **params))
@@ -353,19 +341,14 @@ class Lowered:
         return ClosedJaxpr(self._rewrite(closed.jaxpr, ()), closed.consts)
 
     def _constrain(self, var, dims: tuple, eqns: list, like) -> Any:
-        new = jax_core.Var(var.aval)
+        new = new_var(var.aval)
         params = dict(
             sharding=self._sharding(dims),
             layout=None,
             context_mesh=self.mesh,
             unconstrained_dims=frozenset(),
         )
-        eqns.append(
-            jax_core.JaxprEqn(
-                [var], [new], prims.sharding_constraint_p, params, jax_core.no_effects,
-                like.source_info, like.ctx,
-            )
-        )  # fmt: skip
+        eqns.append(new_eqn([var], [new], prims.sharding_constraint_p, params, like))
         return new
 
     def _regions_of(self, jaxpr: Jaxpr) -> list:
@@ -445,7 +428,7 @@ class Lowered:
             if pins:
                 for var in eqn.outvars:
                     dims = pins.get(var)
-                    if dims is not None and not isinstance(var, jax_core.DropVar):
+                    if dims is not None and not is_drop_var(var):
                         subst[var] = self._constrain(var, dims, eqns, eqn)
         outvars = [v if isinstance(v, Literal) else subst.get(v, v) for v in jaxpr.outvars]
         new = jaxpr.replace(eqns=eqns, outvars=outvars)

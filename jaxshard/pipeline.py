@@ -48,6 +48,13 @@ from jax.sharding import PartitionSpec as P
 from jaxshard.annotate import Pin, PinKind, hint_p
 from jaxshard.errors import ShardingError
 from jaxshard.graph import Graph, build_graph
+from jaxshard.jax_compat import (
+    bind_with_source,
+    caller_line,
+    consts_as_inputs,
+    scan_counts,
+    user_context,
+)
 from jaxshard.propagate import Propagator
 from jaxshard.rule import region_fn_for
 from jaxshard.trace import Traced
@@ -282,9 +289,7 @@ def _scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpo
 
 
 def _caller_line() -> str:
-    from jax._src import source_info_util  # no public API for the user's frame
-
-    return source_info_util.summarize(source_info_util.current()) or "an unknown line"
+    return caller_line()
 
 
 class _Loop:
@@ -499,10 +504,8 @@ class _Analysis:
 def _independence(closed: ClosedJaxpr, n_carry: int, n_xs: int, m: int) -> _Analysis:
     """Propagate a pseudo axis of size ``m`` from the carry's batch dim through the body
     (consts first as inputs); `_Rejected` naming the equation that mixes rows."""
-    from jax._src.interpreters import partial_eval as pe  # consts as inputs: no public API
-
     n_consts = len(closed.consts)
-    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    jaxpr = consts_as_inputs(closed.jaxpr)
     n_in = len(jaxpr.invars)
     names = [f"const/{i}" for i in range(n_consts)]
     names += [f"carry/{i}" for i in range(n_carry)] + [f"xs/{i}" for i in range(n_xs)]
@@ -559,9 +562,7 @@ def _independence(closed: ClosedJaxpr, n_carry: int, n_xs: int, m: int) -> _Anal
 
 def _microbatched(analysis: _Analysis, closed: ClosedJaxpr, m: int) -> ClosedJaxpr:
     """The body (consts first as inputs) re-traced on microbatch-sized values."""
-    from jax._src.interpreters import partial_eval as pe  # consts as inputs: no public API
-
-    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    jaxpr = consts_as_inputs(closed.jaxpr)
     shrink = _Shrink(analysis.graph, analysis.dims, m)
     avals = [jax.ShapeDtypeStruct(shrink.shape((), v), v.aval.dtype) for v in jaxpr.invars]
     return jax.make_jaxpr(lambda *a: shrink.run(jaxpr, (), (), a))(*avals)
@@ -612,13 +613,11 @@ class _Shrink:
         same_in = all(np.shape(x) == tuple(v.aval.shape) for x, v in zip(ins, eqn.invars))
         if same_in and want == [tuple(v.aval.shape) for v in eqn.outvars]:
             return _bind(eqn, ins, eqn.params)
-        from jax._src import source_info_util  # no public API to keep an equation's line
-
         from jaxshard.graph import source_line
 
         line = source_line(eqn)
         if region_fn_for(eqn.primitive) is not None:
-            with source_info_util.user_context(eqn.source_info.traceback):
+            with user_context(eqn):
                 outs = self.nested(eqn, path + (k,), ins)
         else:
             name = eqn.primitive.name
@@ -671,7 +670,7 @@ class _Shrink:
             )
             return list(fn(*ins))
         if prim is prims.scan_p:
-            nc, ncar = params["num_consts"], params["num_carry"]
+            nc, ncar = scan_counts(params)
             consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
             inner = body(0)
 
@@ -713,9 +712,4 @@ def _tupled(fn):
 def _bind(eqn, ins, params) -> list:
     """``eqn`` applied to ``ins`` with ``params``, keeping its source line (as
     `jax.core.eval_jaxpr` does)."""
-    from jax._src import source_info_util  # no public API to keep an equation's line
-
-    bind_params = eqn.primitive.get_bind_params(params)
-    with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
-        out = eqn.primitive.bind(*ins, **bind_params)
-    return list(out) if eqn.primitive.multiple_results else [out]
+    return bind_with_source(eqn, ins, params)

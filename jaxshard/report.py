@@ -37,9 +37,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from jaxshard.cost import human_bytes, nbytes, per_device_bytes
+from jaxshard.cost import dtype_name, human_bytes, nbytes, per_device_bytes
 from jaxshard.explain import runs_text, while_note
 from jaxshard.lattice import DimSharding, to_spec
 
@@ -319,7 +317,7 @@ def _mesh_section(plan: Plan) -> str:
     sizes = plan.axis_sizes
     by_top: dict[str, list[str]] = {}
     for name, vid, shape, dtype, dims in _args(plan):
-        dtype_text = np.dtype(dtype).name if dtype is not None else "-"
+        dtype_text = dtype_name(dtype)
         card = (
             f"<div class=card data-path='{_e(name)}'><div class=path>{_e(name)}</div>"
             f"<div class=meta><code>{_e(shape)}</code> {_e(dtype_text)} "

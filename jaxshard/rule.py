@@ -312,16 +312,9 @@ def primitive(name: str) -> Primitive:
         >>> primitive("split").name
         'split'
     """
-    import jax
-    from jax.extend.core import primitives
+    from jaxshard.jax_compat import optional_primitive
 
-    found = getattr(primitives, f"{name}_p", None) or getattr(jax.lax, f"{name}_p", None)
-    if found is None:
-        from jax._src import debugging, pjit, shard_map  # these primitives are not public yet
-        from jax._src.lax import lax as lax_internal
-
-        for module in (lax_internal, shard_map, pjit, debugging):
-            found = found or getattr(module, f"{name}_p", None)
+    found = optional_primitive(name)
     if found is None:
         raise JaxshardBug(f"primitive {name!r} not found in this JAX version")
     return found

@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import ClosedJaxpr, DebugInfo
+from jax.extend.core import ClosedJaxpr
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
@@ -267,7 +267,6 @@ def _name_for_jax(flat_fn: Callable, fn: Callable, names: Sequence[str]) -> None
     names, so JAX's own tracing errors (Python control flow on a traced value, ...) keep
     their type and say "while tracing the function step at model.py:12 ... depends on
     the value of the argument batch/x", not the wrapper's name and ``flat[0]``."""
-    from jax._src import api_util  # no public API to name a function's arguments for jit
+    from jaxshard.jax_compat import set_debug_info
 
-    info = DebugInfo("jaxshard planning", api_util.fun_sourceinfo(fn), tuple(names), None)
-    api_util.save_wrapped_fun_debug_info(flat_fn, info)
+    set_debug_info(flat_fn, fn, names, "jaxshard planning")

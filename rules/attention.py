@@ -21,9 +21,10 @@ need-replication.
 
 from __future__ import annotations
 
-from jax._src.cudnn import fused_attention_stablehlo as cudnn  # the primitives are private
 from jax.extend.core import JaxprEqn
 
+from jaxshard.jax_compat import cudnn_attention as cudnn
+from jaxshard.jax_compat import cudnn_attention_params
 from jaxshard.rule import FactorKind, Rule, RuleBuilder, register_rule, shapes_of
 
 NEED = FactorKind.NEED_REPLICATION
@@ -58,6 +59,10 @@ def attention_rule(eqn: JaxprEqn) -> Rule:
     bias = ins[3]
     segments = cudnn.get_max_seg_per_batch(eqn.invars[6].aval)
     has_dbias = backward and params["variadic_args"][1]
+    if params.get("score_mod") is not None or params.get("score_mod_jaxpr") is not None:
+        # flex attention: a user function of the whole score tensor and extra operands
+        # may mix any of its dims, so nothing is split
+        return _Covering(ins, outs).build()
     positional = (
         params["mask_type"] is not cudnn.MaskType.NO_MASK
         or params["sliding_window_length"] is not None
@@ -165,8 +170,10 @@ def bind_forward(query, key, value, *, causal: bool = False, training: bool = Fa
     mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
     return cudnn._dot_product_attention_fwd_p_wrapper.bind(
         query, key, value, unused, unused, unused, unused, unused, unused, unused,
-        scale=1.0 / query.shape[-1] ** 0.5, seed=42, dropout_rate=0.0,
-        variadic_args=(False, False), mask_type=mask,
-        layout=cudnn.AttentionLayout.BTNH.value, sliding_window_length=None,
-        is_training=training,
+        **cudnn_attention_params(
+            scale=1.0 / query.shape[-1] ** 0.5, seed=42, dropout_rate=0.0,
+            variadic_args=(False, False), mask_type=mask,
+            layout=cudnn.AttentionLayout.BTNH.value, sliding_window_length=None,
+            is_training=training,
+        ),
     )  # fmt: skip

@@ -9,10 +9,10 @@ each scale riding along its operand.
 
 from __future__ import annotations
 
-from jax._src.lax.scaled_dot import scaled_dot_p  # not exported by jax.extend
 from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 
+from jaxshard.jax_compat import scaled_dot_p
 from jaxshard.rule import FactorKind, Rule, RuleBuilder, register_rule
 
 NEED = FactorKind.NEED_REPLICATION

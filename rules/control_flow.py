@@ -13,6 +13,7 @@ from __future__ import annotations
 from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 
+from jaxshard.jax_compat import scan_counts
 from jaxshard.rule import FactorKind, Link, Region, Rule, RuleBuilder, register_region
 
 
@@ -46,7 +47,7 @@ def scan_region(eqn: JaxprEqn) -> list[Region]:
         >>> region.ties
         ((('in', 0), ('out', 0)),)
     """
-    nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
+    nc, ncar = scan_counts(eqn.params)
     jaxpr, consts = _closed(eqn.params["jaxpr"])
     links = [Link(("in", i), ("in", i)) for i in range(nc + ncar)]
     links += [Link(("out", j), ("out", j)) for j in range(ncar)]

@@ -9,8 +9,8 @@ Comparisons, logical ops, type conversions and identity-like primitives
 from __future__ import annotations
 
 from jax.extend.core import JaxprEqn
-from jax.extend.core import primitives as p
 
+from jaxshard.jax_compat import optional_primitives
 from jaxshard.rule import Factor, Rule, primitive, register_rule
 
 UNARY = (
@@ -43,9 +43,11 @@ UNARY = (
     "lgamma",
     "log",
     "log1p",
+    "log2",
     "logistic",
     "neg",
     "not",
+    "one_minus_square",
     "population_count",
     "real",
     "round",
@@ -98,6 +100,7 @@ NARY = (
     "regularized_incomplete_beta",
     "select_n",
     "clamp",
+    "polynomial",  # x and its coefficients (scalars, or x's shape with size-1 dims)
 )
 
 
@@ -126,10 +129,6 @@ def _operand_dims(operand: tuple[int, ...], shape: tuple[int, ...]) -> tuple[tup
     return tuple((i,) if size == shape[i] else () for i, size in enumerate(operand))
 
 
-def _primitives(names: tuple[str, ...]) -> list:
-    found = [getattr(p, f"{n}_p", None) for n in names]
-    return [prim for prim in found if prim is not None]
-
-
-register_rule(*_primitives(UNARY + NARY))(elementwise_rule)
+# the primitives of this release (log2, one_minus_square and polynomial arrived in 0.11)
+register_rule(*optional_primitives(*UNARY, *NARY))(elementwise_rule)
 register_rule(primitive("mulhi"))(elementwise_rule)

@@ -19,10 +19,10 @@ communication (the gradient of a vocabulary-parallel embedding).
 
 from __future__ import annotations
 
-from jax._src.lax import slicing  # scatter_sub_p is not exported by jax.extend
 from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 
+from jaxshard.jax_compat import scatter_sub_p
 from jaxshard.rule import FactorKind, Rule, RuleBuilder, register_rule, shapes_of
 
 NEED = FactorKind.NEED_REPLICATION
@@ -140,9 +140,7 @@ def scatter_rule(eqn: JaxprEqn, combinable: bool) -> Rule:
 
 
 # a subtraction of partial sums is the subtraction of their total: combinable like add
-register_rule(p.scatter_add_p, slicing.scatter_sub_p)(
-    lambda eqn: scatter_rule(eqn, combinable=True)
-)
+register_rule(p.scatter_add_p, scatter_sub_p)(lambda eqn: scatter_rule(eqn, combinable=True))
 register_rule(p.scatter_p, p.scatter_mul_p, p.scatter_min_p, p.scatter_max_p)(
     lambda eqn: scatter_rule(eqn, combinable=False)
 )

@@ -18,11 +18,11 @@ would predict no communication where the compiled program gathers.
 
 from __future__ import annotations
 
-from jax._src.lax import linalg  # the primitives are not exported by jax.extend
 from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 
 from jaxshard.errors import JaxshardBug
+from jaxshard.jax_compat import lax_linalg
 from jaxshard.rule import FactorKind, Rule, RuleBuilder, register_rule, shapes_of
 
 NEED = FactorKind.NEED_REPLICATION
@@ -30,24 +30,24 @@ NEED = FactorKind.NEED_REPLICATION
 # operand 0's core rank per primitive (the rest of its rank is batch dims), from the
 # ``ranks`` each is declared with in jax/_src/lax/linalg.py
 CORE_RANK = {
-    linalg.cholesky_p: 2,
-    linalg.cholesky_update_p: 2,
-    linalg.eig_p: 2,
-    linalg.eigh_p: 2,
-    linalg.hessenberg_p: 2,
-    linalg.householder_product_p: 2,
-    linalg.ormqr_p: 2,
-    linalg.lu_p: 2,
-    linalg.lu_pivots_to_permutation_p: 1,
-    linalg.geqrf_p: 2,
-    linalg.geqp3_p: 2,
-    linalg.qr_p: 2,
-    linalg.schur_p: 2,
-    linalg.svd_p: 2,
-    linalg.symmetric_product_p: 2,
-    linalg.triangular_solve_p: 2,
-    linalg.tridiagonal_p: 2,
-    linalg.tridiagonal_solve_p: 1,
+    lax_linalg.cholesky_p: 2,
+    lax_linalg.cholesky_update_p: 2,
+    lax_linalg.eig_p: 2,
+    lax_linalg.eigh_p: 2,
+    lax_linalg.hessenberg_p: 2,
+    lax_linalg.householder_product_p: 2,
+    lax_linalg.ormqr_p: 2,
+    lax_linalg.lu_p: 2,
+    lax_linalg.lu_pivots_to_permutation_p: 1,
+    lax_linalg.geqrf_p: 2,
+    lax_linalg.geqp3_p: 2,
+    lax_linalg.qr_p: 2,
+    lax_linalg.schur_p: 2,
+    lax_linalg.svd_p: 2,
+    lax_linalg.symmetric_product_p: 2,
+    lax_linalg.triangular_solve_p: 2,
+    lax_linalg.tridiagonal_p: 2,
+    lax_linalg.tridiagonal_solve_p: 1,
 }
 
 

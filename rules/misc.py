@@ -18,14 +18,13 @@ remaining dims behave as in `dot_general`.
 
 from __future__ import annotations
 
-from jax._src import pjit  # layout_constraint_p is not public
-from jax._src.lax.control_flow import platform_index_p
 from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 from jaxshard.rules.elementwise import elementwise_rule
 from jaxshard.rules.random import leading_rule
 
 from jaxshard.errors import JaxshardBug
+from jaxshard.jax_compat import layout_constraint_p, platform_index_p
 from jaxshard.rule import FactorKind, Rule, RuleBuilder, primitive, register_rule, shapes_of
 
 NEED = FactorKind.NEED_REPLICATION
@@ -175,7 +174,7 @@ def no_factor_rule(eqn: JaxprEqn) -> Rule:
     return RuleBuilder(len(ins), len(outs), ([0] * len(ins), [0] * len(outs))).build()
 
 
-@register_rule(pjit.layout_constraint_p)
+@register_rule(layout_constraint_p)
 def layout_constraint_rule(eqn: JaxprEqn) -> Rule:
     """Result is the operand; every dim is need-replication (XLA gathers it otherwise).
 

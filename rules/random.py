@@ -17,20 +17,18 @@ need-replication throughout.
 
 from __future__ import annotations
 
-from jax._src.random import philox2x32, philox4x32, threefry4x32  # not exported
 from jax.extend.core import JaxprEqn, Primitive
 from jax.extend.core import primitives as p
 from jaxshard.rules.elementwise import elementwise_rule
 
+from jaxshard.jax_compat import prng, random_core, random_primitives
 from jaxshard.rule import FactorKind, Rule, RuleBuilder, register_rule, shapes_of
 
 NEED = FactorKind.NEED_REPLICATION
 
 
 def _prng_primitive(name: str) -> Primitive:
-    from jax._src.random import core, prng  # wrap, unwrap and clone are not exported
-
-    return getattr(prng, f"{name}_p", None) or getattr(core, f"{name}_p")
+    return getattr(prng, f"{name}_p", None) or getattr(random_core, f"{name}_p")
 
 
 def leading_rule(eqn: JaxprEqn, leading: int) -> Rule:
@@ -127,9 +125,7 @@ register_rule(
     p.random_seed_p,
     p.random_fold_in_p,
     p.threefry2x32_p,
-    threefry4x32.threefry4x32_p,
-    philox2x32.philox2x32_p,
-    philox4x32.philox4x32_p,
+    *random_primitives,
     _prng_primitive("random_clone"),
 )(elementwise_rule)
 
@@ -140,7 +136,7 @@ def iota_2x32_rule(eqn: JaxprEqn) -> Rule:
     both results (a slice of an iota is computed locally from its offset).
 
     Example:
-        >>> from jax._src.random import prng
+        >>> from jaxshard.jax_compat import prng
         >>> import jax
         >>> eqn = jax.make_jaxpr(lambda: prng.iota_2x32_shape((4, 8)))().eqns[0]
         >>> print(iota_2x32_rule(eqn))

@@ -13,12 +13,12 @@ planned.
 
 from __future__ import annotations
 
-from jax._src import custom_batching, custom_derivatives  # not public: linear_call_p, ...
 from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 from jax.sharding import PartitionSpec
 
 from jaxshard.annotate import open_unnamed
+from jaxshard.jax_compat import custom_vmap_p, linear_call_p, optional_primitives, remat_opt_p
 from jaxshard.rule import (
     Link,
     Region,
@@ -55,10 +55,13 @@ register_region(
     p.custom_jvp_call_p,
     p.custom_vjp_call_p,
     primitive("composite"),
+    # calls newer releases add: jax.experimental.overlap.program_order and
+    # jax.experimental.xla_metadata's calls (constants first, then the arguments)
+    *optional_primitives("program_order", "xla_metadata_call"),
 )(call_region)
 
 
-@register_region(custom_derivatives.linear_call_p)
+@register_region(linear_call_p)
 def linear_call_region(eqn: JaxprEqn) -> list[Region]:
     """`linear_call` runs ``callee`` on its operands (constants, residuals, linear
     inputs, positionally); the transpose is only traced when differentiating, so the
@@ -76,7 +79,7 @@ def linear_call_region(eqn: JaxprEqn) -> list[Region]:
     return _positional_region(eqn, "callee")
 
 
-@register_region(custom_derivatives.remat_opt_p)
+@register_region(remat_opt_p)
 def remat_opt_region(eqn: JaxprEqn) -> list[Region]:
     """A `custom_vjp` forward under remat with ``optimize_remat=True``: ``fwd_jaxpr``
     maps the operands (constants, then arguments) to the results (residuals, then
@@ -95,7 +98,7 @@ def remat_opt_region(eqn: JaxprEqn) -> list[Region]:
     return _positional_region(eqn, "fwd_jaxpr")
 
 
-@register_region(custom_batching.custom_vmap_p)
+@register_region(custom_vmap_p)
 def custom_vmap_region(eqn: JaxprEqn) -> list[Region]:
     """`jax.custom_batching.custom_vmap` outside a vmap runs ``call`` (constants, then
     arguments) positionally; its batching rule only matters under `vmap`.

@@ -12,9 +12,15 @@ import numpy as np
 
 
 def assert_leaves_match(actual, expected, rel=1e-4):
-    """Each leaf within ``rel`` of that leaf's largest magnitude."""
+    """The same tree structure, and each leaf within ``rel`` of that leaf's largest
+    magnitude (typed PRNG keys: the same key data)."""
+    got, want = jax.tree_util.tree_structure(actual), jax.tree_util.tree_structure(expected)
+    assert got == want, f"tree structures differ:\n  actual   {got}\n  expected {want}"
     pairs = zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree_util.tree_leaves(actual))
     for (path, e), a in pairs:
+        if jax.dtypes.issubdtype(getattr(e, "dtype", None), jax.dtypes.prng_key):
+            assert getattr(a, "dtype", None) == e.dtype, f"{jax.tree_util.keystr(path)}: {a}"
+            e, a = jax.random.key_data(e), jax.random.key_data(a)
         e, a = np.asarray(e), np.asarray(a)
         scale = max(float(np.abs(e).max(initial=0.0)), 1e-30)
         err = float(np.abs(a - e).max(initial=0.0))

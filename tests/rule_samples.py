@@ -19,17 +19,18 @@ import jax.extend.random as jex_random
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.cudnn import fused_attention_stablehlo as _cudnn  # private primitives
-from jax._src.lax import linalg as _linalg  # geqrf has no public API
-from jax._src.lax.windowed_reductions import _select_and_scatter  # no public API
-from jax._src.random import philox2x32 as _philox2x32  # the hashes are not public
-from jax._src.random import philox4x32 as _philox4x32
-from jax._src.random import prng as _prng
-from jax._src.random import threefry4x32 as _threefry4x32
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.layout import Layout, with_layout_constraint
 from jaxshard.rules.attention import bind_forward
 
+from jaxshard.jax_compat import cudnn_attention as _cudnn
+from jaxshard.jax_compat import cudnn_attention_impl, cudnn_attention_params, optional_primitive
+from jaxshard.jax_compat import lax_linalg as _linalg
+from jaxshard.jax_compat import philox2x32 as _philox2x32
+from jaxshard.jax_compat import philox4x32 as _philox4x32
+from jaxshard.jax_compat import prng as _prng
+from jaxshard.jax_compat import select_and_scatter as _select_and_scatter
+from jaxshard.jax_compat import threefry4x32 as _threefry4x32
 from jaxshard.rule import primitive
 
 _rng = np.random.default_rng(0)
@@ -189,6 +190,33 @@ SAMPLES += [
     ("where-broadcast", lambda c, x: jnp.where(c[:, None], x, 0.0), (BOOL_2D[:, 0], X)),
     ("add_any", jax.grad(lambda x: (x * x).sum()), (X,)),
     ("relu", jax.nn.relu, (X,)),
+]
+
+
+def _program_order(x):
+    from jax.experimental.overlap import program_order
+
+    return program_order(lambda y: jnp.tanh(y) @ y.T, enforce=False)(x)
+
+
+def _xla_metadata_call(x):
+    from jax.experimental.xla_metadata import xla_metadata_call
+
+    return xla_metadata_call(lambda y: jnp.tanh(y) * 2.0, scheduling_group="a")(x)
+
+
+# primitives newer releases add, sampled where this release has them
+SAMPLES += [
+    (name, fn, args)
+    for name, fn, args in [
+        ("log2", lambda x: lax.log2(x), (POS,)),
+        ("one_minus_square", lambda x: lax.one_minus_square(x), (UNIT,)),
+        ("polynomial", lambda x: lax.polynomial(x, [1.0, -2.0, 0.5]), (X,)),
+        ("polynomial-array-coefficients", lambda x, c: lax.polynomial(x, [c, 2.0, c]), (X, Y)),
+        ("program_order", _program_order, (X,)),
+        ("xla_metadata_call", _xla_metadata_call, (X,)),
+    ]
+    if optional_primitive(name.split("-")[0]) is not None
 ]
 
 # --- contractions ----------------------------------------------------------------------
@@ -609,9 +637,11 @@ def _attention_bwd(q, k, v, out, stat, dout):
     return tuple(
         _cudnn._dot_product_attention_bwd_p_wrapper.bind(
             q, k, v, unused, unused, unused, unused, unused, unused, unused, stat, out, dout,
-            scale=1.0 / q.shape[-1] ** 0.5, seed=42, dropout_rate=0.0,
-            variadic_args=(False, False), mask_type=_cudnn.MaskType.NO_MASK,
-            layout=_cudnn.AttentionLayout.BTNH.value, sliding_window_length=None,
+            **cudnn_attention_params(
+                scale=1.0 / q.shape[-1] ** 0.5, seed=42, dropout_rate=0.0,
+                variadic_args=(False, False), mask_type=_cudnn.MaskType.NO_MASK,
+                layout=_cudnn.AttentionLayout.BTNH.value, sliding_window_length=None,
+            ),
         )
     )  # fmt: skip
 
@@ -635,18 +665,14 @@ REFERENCE_SAMPLES = [
     (
         "attention-fwd-inner",
         lambda q, k, v: tuple(
-            _cudnn._dot_product_attention_fwd_impl(
-                q, k, v, *_unused(q), **_ATTENTION, is_training=False
-            )
+            cudnn_attention_impl(True, q, k, v, *_unused(q), **_ATTENTION, is_training=False)
         ),
         (_Q, _Q, _Q),
     ),
     (
         "attention-bwd-inner",
         lambda q, k, v, out, stat, dout: tuple(
-            _cudnn._dot_product_attention_bwd_impl(
-                q, k, v, *_unused(q), stat, out, dout, **_ATTENTION
-            )
+            cudnn_attention_impl(False, q, k, v, *_unused(q), stat, out, dout, **_ATTENTION)
         ),
         (_Q, _Q, _Q, _Q, np.ones((2, 4, 8), np.float32), _Q),
     ),

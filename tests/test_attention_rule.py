@@ -19,6 +19,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from rule_samples import REFERENCE_SAMPLES
 
+from jaxshard.jax_compat import cudnn_attention
 from jaxshard.rule import FactorKind, rule_fn_for
 from jaxshard.verify import hlo_collectives
 
@@ -45,9 +46,7 @@ def _spec(rule, dims, f) -> P:
 
 
 def _reference(eqn):
-    causal = (
-        eqn.params["mask_type"] is not jax._src.cudnn.fused_attention_stablehlo.MaskType.NO_MASK
-    )
+    causal = eqn.params["mask_type"] is not cudnn_attention.MaskType.NO_MASK
 
     def forward(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")

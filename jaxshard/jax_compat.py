@@ -1,0 +1,375 @@
+"""Everything jaxshard needs from JAX beyond its public API, adapted to the installed version.
+
+jaxshard rewrites jaxprs, builds `jit` equations, binds private primitives and reads
+source lines, and JAX keeps those in ``jax._src``, whose names and parameters change from
+release to release (``jit``'s ``inline`` became an enum in 0.11; cuDNN attention gained
+``score_mod`` operands in 0.12). This module is the only one in the package, its rule
+catalogue and its tests that imports ``jax._src``: each private name is looked up here,
+once, and where releases differ the difference is settled here, so a new JAX release is
+this file's work. Supported: JAX 0.10.2 up to the newest release the package index serves
+(`SUPPORTED`).
+
+Example:
+    >>> from jaxshard import jax_compat
+    >>> jax_compat.JAX_VERSION >= (0, 10, 2)
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as _public_core
+from jax._src import api_util as _api_util
+from jax._src import config as _config
+from jax._src import core as _core
+from jax._src import custom_batching as _custom_batching
+from jax._src import custom_derivatives as _custom_derivatives
+from jax._src import debugging as _debugging
+from jax._src import dispatch as _dispatch
+from jax._src import pjit as _pjit
+from jax._src import shard_map as _shard_map
+from jax._src import source_info_util
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+from jax._src.custom_partitioning_sharding_rule import str_to_sdy_sharding_rule
+from jax._src.interpreters import batching, mlir
+from jax._src.interpreters import partial_eval as _partial_eval
+from jax._src.lax import lax as _lax_internal
+from jax._src.lax import linalg as lax_linalg
+from jax._src.lax import slicing as _slicing
+from jax._src.lax.control_flow import platform_index_p
+from jax._src.lax.scaled_dot import scaled_dot_p
+from jax._src.lax.windowed_reductions import _select_and_scatter as select_and_scatter
+from jax._src.named_sharding import UNSPECIFIED
+from jax._src.random import core as random_core
+from jax._src.random import philox2x32, philox4x32, prng, threefry4x32
+
+__all__ = [
+    "JAX_VERSION",
+    "SUPPORTED",
+    "UNSPECIFIED",
+    "batching",
+    "bind_with_source",
+    "caller_line",
+    "consts_as_inputs",
+    "context_on_mesh",
+    "cudnn_attention",
+    "cudnn_attention_params",
+    "drop_var",
+    "is_drop_var",
+    "jit_equation_params",
+    "jit_p",
+    "lax_linalg",
+    "layout_constraint_p",
+    "linear_call_p",
+    "mlir",
+    "new_eqn",
+    "new_var",
+    "philox2x32",
+    "philox4x32",
+    "platform_index_p",
+    "optional_primitive",
+    "optional_primitives",
+    "prng",
+    "random_core",
+    "random_primitives",
+    "registered_primitives",
+    "remat_opt_p",
+    "custom_vmap_p",
+    "require_devices_while_lowering",
+    "scaled_dot_p",
+    "scan_counts",
+    "scatter_sub_p",
+    "select_and_scatter",
+    "set_debug_info",
+    "shardy_enabled",
+    "source_info_util",
+    "source_summary",
+    "str_to_sdy_sharding_rule",
+    "threefry4x32",
+    "MultipleResultsPrimitive",
+]
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+JAX_VERSION = _version(jax.__version__)
+# The JAX releases the package is tested on, oldest and newest (CI runs both).
+SUPPORTED = ((0, 10, 2), (0, 12, 0))
+
+jit_p = _pjit.jit_p
+layout_constraint_p = _pjit.layout_constraint_p
+linear_call_p = _custom_derivatives.linear_call_p
+remat_opt_p = _custom_derivatives.remat_opt_p
+custom_vmap_p = _custom_batching.custom_vmap_p
+scatter_sub_p = _slicing.scatter_sub_p
+random_primitives = (threefry4x32.threefry4x32_p, philox2x32.philox2x32_p, philox4x32.philox4x32_p)
+MultipleResultsPrimitive = _core.Primitive  # a Primitive whose multiple_results is settable
+
+
+def _optional_module(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+# Where releases define primitives that neither jax.extend nor jax.lax exports; modules
+# a release lacks are None (program_order and xla_metadata_call arrived in 0.11).
+_PRIVATE_MODULES = (
+    _lax_internal,
+    _shard_map,
+    _pjit,
+    _debugging,
+    _optional_module("jax._src.program_order"),
+    _optional_module("jax._src.xla_metadata"),
+)
+
+
+def optional_primitive(name: str) -> Any:
+    """The primitive named ``name`` in this JAX release, or None where the release has
+    none: looked up in ``jax.extend``, ``jax.lax`` and the private modules that define
+    the rest, so rules register what exists and a newer release's primitives join.
+
+    Example:
+        >>> optional_primitive("shard_map").name
+        'shard_map'
+        >>> optional_primitive("no_such_thing") is None
+        True
+    """
+    from jax.extend.core import primitives
+
+    for module in (primitives, jax.lax, *_PRIVATE_MODULES):
+        found = getattr(module, f"{name}_p", None) if module is not None else None
+        if found is not None:
+            return found
+    return None
+
+
+def optional_primitives(*names: str) -> list:
+    """The primitives of ``names`` this release has, in order (see `optional_primitive`)."""
+    found = [optional_primitive(n) for n in names]
+    return [prim for prim in found if prim is not None]
+
+
+# --- jaxpr surgery ---------------------------------------------------------------------
+
+
+def new_var(aval: Any) -> Any:
+    """A fresh jaxpr variable of type ``aval``."""
+    return _public_core.Var(aval)
+
+
+def drop_var(aval: Any) -> Any:
+    """An unused result variable (``_``) of type ``aval``."""
+    return _public_core.DropVar(aval)
+
+
+def is_drop_var(var: Any) -> bool:
+    """Whether ``var`` is an unused result (``_``)."""
+    return isinstance(var, _public_core.DropVar)
+
+
+def new_eqn(invars, outvars, primitive, params, like) -> Any:
+    """A jaxpr equation with the source line and context of the equation ``like``."""
+    return _public_core.new_jaxpr_eqn(
+        list(invars), list(outvars), primitive, params, _public_core.no_effects,
+        like.source_info, like.ctx,
+    )  # fmt: skip
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """``(constants, carries)`` of a `scan` equation: leading operands before the
+    scanned ones (JAX 0.12 keeps them as the flat trees ``ft_in``, earlier releases as
+    ``num_consts``/``num_carry``).
+
+    Example:
+        >>> f = lambda c, xs: jax.lax.scan(lambda c, x: (c + x, c * x), c, xs)
+        >>> eqn = jax.make_jaxpr(f)(1.0, jax.numpy.ones(3)).eqns[0]
+        >>> scan_counts(eqn.params)
+        (0, 1)
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(list(consts)), len(list(carry))
+
+
+def context_on_mesh(ctx: Any, mesh: Any) -> Any:
+    """An equation context like ``ctx`` (compute type, RNG mode, XLA metadata, ...)
+    whose current abstract mesh is ``mesh``: made the way JAX makes one, from the
+    settings ``ctx`` enters, so fields a release adds come along."""
+    with ctx.manager, jax.sharding.use_abstract_mesh(mesh):
+        return type(ctx)()
+
+
+def consts_as_inputs(jaxpr: Any) -> Any:
+    """``jaxpr`` with its constants turned into leading inputs."""
+    return _partial_eval.convert_constvars_jaxpr(jaxpr)
+
+
+@functools.cache
+def _jit_template() -> dict:
+    """The parameters JAX itself gives a `jit` equation (inner ``jax.jit`` of the
+    identity), so a parameter a release adds or retypes comes with its default."""
+
+    def outer(x):
+        return jax.jit(lambda y: y)(x)
+
+    eqn = jax.make_jaxpr(outer)(jax.ShapeDtypeStruct((), "float32")).eqns[0]
+    if eqn.primitive is not jit_p:
+        raise RuntimeError(f"jaxshard: jax {jax.__version__} traces jax.jit to {eqn.primitive}")
+    return dict(eqn.params)
+
+
+def jit_equation_params(jaxpr: Any, n_in: int, n_out: int, ctx_mesh: Any, name: str) -> dict:
+    """Parameters binding ``jaxpr`` as one `jit` equation: no shardings, layouts or
+    donation of its own (the enclosing ``jax.jit`` carries them), not inlined, the rest
+    as this JAX release sets them.
+
+    Example:
+        >>> closed = jax.make_jaxpr(lambda x: x + 1)(1.0)
+        >>> params = jit_equation_params(closed, 1, 1, jax.sharding.AbstractMesh((), ()), "f")
+        >>> params["name"], params["donated_invars"]
+        ('f', (False,))
+    """
+    params = dict(_jit_template())
+    params.update(
+        jaxpr=jaxpr,
+        in_shardings=(UNSPECIFIED,) * n_in,
+        out_shardings=(UNSPECIFIED,) * n_out,
+        in_layouts=(None,) * n_in,
+        out_layouts=(None,) * n_out,
+        donated_invars=(False,) * n_in,
+        ctx_mesh=ctx_mesh,
+        name=name,
+        keep_unused=False,
+    )
+    return params
+
+
+# --- source lines and debug info ---------------------------------------------------------
+
+
+def source_summary(source_info: Any) -> str:
+    """``file.py:42 (function)`` of an equation's source info ("" inside JAX)."""
+    return source_info_util.summarize(source_info)
+
+
+def caller_line() -> str:
+    """The user's source line being traced now, or "an unknown line"."""
+    return source_info_util.summarize(source_info_util.current()) or "an unknown line"
+
+
+def bind_with_source(eqn: Any, ins: Sequence[Any], params: dict) -> list:
+    """``eqn``'s primitive applied to ``ins`` with ``params``, under its source line and
+    context (as `jax.core.eval_jaxpr` does)."""
+    bind_params = eqn.primitive.get_bind_params(params)
+    with source_info_util.user_context(eqn.source_info.traceback), eqn.ctx.manager:
+        out = eqn.primitive.bind(*ins, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def user_context(eqn: Any):
+    """A context in which new equations get ``eqn``'s source line."""
+    return source_info_util.user_context(eqn.source_info.traceback)
+
+
+def exclude_from_tracebacks(directory: str) -> None:
+    """Frames from files under ``directory`` are never reported as the user's line."""
+    source_info_util.register_exclusion(directory)
+
+
+def set_debug_info(flat_fn: Callable, fn: Callable, arg_names: Sequence[str], kind: str) -> None:
+    """Give ``flat_fn`` JAX's debug info for ``fn`` with ``arg_names``, so JAX's own tracing
+    errors name the user's function and arguments."""
+    info = _public_core.DebugInfo(kind, _api_util.fun_sourceinfo(fn), tuple(arg_names), None)
+    _api_util.save_wrapped_fun_debug_info(flat_fn, info)
+
+
+# --- lowering hooks ----------------------------------------------------------------------
+
+
+def shardy_enabled() -> bool:
+    """Whether XLA partitions with Shardy (the default since JAX 0.7)."""
+    return bool(_config.use_shardy_partitioner.value)
+
+
+def require_devices_while_lowering(primitive: Any) -> None:
+    """Lower ``primitive`` with the devices known (custom_partitioning needs them)."""
+    _dispatch.prim_requires_devices_during_lowering.add(primitive)
+
+
+# --- the primitives JAX registers ---------------------------------------------------------
+
+_WALK = """
+import importlib, json, pkgutil, jax._src
+from jax._src import core
+found = {}
+for info in pkgutil.walk_packages(jax._src.__path__, "jax._src."):
+    try:
+        module = importlib.import_module(info.name)
+    except Exception:  # optional backends (mosaic GPU, ...) that are not installed
+        continue
+    for value in list(vars(module).values()):
+        if isinstance(value, core.Primitive):
+            found.setdefault(value.name, []).append(info.name)
+print(json.dumps(found))
+"""
+
+
+def registered_primitives() -> dict[str, list[str]]:
+    """Every primitive this JAX defines, by name, with the modules defining it: found by
+    importing every module of JAX in a child process (this one's imports stay as they
+    are). Pallas's kernel-language primitives live under ``jax._src.pallas.``.
+
+    Example:
+        >>> "dot_general" in registered_primitives()  # doctest: +SKIP
+        True
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, "-c", _WALK], capture_output=True, text=True, check=True, env=env
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# --- cuDNN attention -------------------------------------------------------------------
+
+_FWD_PARAMS = inspect.signature(cudnn_attention._dot_product_attention_fwd_impl).parameters
+# JAX 0.12 added flex attention: a score_mod callable and its operands after the others
+HAS_SCORE_MOD = "score_mod" in _FWD_PARAMS
+
+
+def cudnn_attention_params(**params: Any) -> dict:
+    """Parameters of the cuDNN attention primitives for this release: ``params`` plus
+    ``score_mod=None`` where the release has flex attention.
+
+    Example:
+        >>> "scale" in cudnn_attention_params(scale=0.5)
+        True
+    """
+    return {**params, "score_mod": None} if HAS_SCORE_MOD else dict(params)
+
+
+def cudnn_attention_impl(forward: bool, *operands: Any, **params: Any) -> Any:
+    """Call the cuDNN attention implementation (what its wrapper primitives lower to)
+    with ``operands`` (the forward's ten, or the backward's thirteen) and no score_mod."""
+    name = "fwd" if forward else "bwd"
+    fn = getattr(cudnn_attention, f"_dot_product_attention_{name}_impl")
+    if HAS_SCORE_MOD:
+        return fn(*operands, (), **cudnn_attention_params(**params))
+    return fn(*operands, **params)
