@@ -20,12 +20,14 @@ import importlib
 import importlib.util
 import math
 import os
+import re
 import sys
 
 
 def parse_spec(text: str):
     """A PartitionSpec from text: entries split by ``,``; ``None`` or ``-`` replicated,
-    ``?`` unconstrained, ``a*b`` several axes.
+    ``?`` unconstrained, ``a*b`` several axes. Text that is not a spec raises
+    `argparse.ArgumentTypeError` saying what is wrong.
 
     Example:
         >>> parse_spec("None,model"), parse_spec("data*model,?")
@@ -34,16 +36,71 @@ def parse_spec(text: str):
     from jax.sharding import PartitionSpec as P
 
     entries = []
-    for item in filter(None, (t.strip() for t in text.split(","))):
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            if text.strip():
+                raise argparse.ArgumentTypeError(
+                    f"spec {text!r} has an empty entry; write e.g. 'None,model' or 'data*model'"
+                )
+            continue
         if item in ("None", "-"):
             entries.append(None)
         elif item == "?":
             entries.append(P.UNCONSTRAINED)
-        elif "*" in item:
-            entries.append(tuple(item.split("*")))
         else:
-            entries.append(item)
+            names = [n.strip() for n in item.split("*")]
+            bad = [n for n in names if not _AXIS.fullmatch(n)]
+            if bad:
+                raise argparse.ArgumentTypeError(
+                    f"spec {text!r}: {bad[0]!r} is not a mesh axis name; entries are axis names, "
+                    "'None' or '-' (replicated), '?' (left to the planner) or 'a*b' (several axes)"
+                )
+            entries.append(tuple(names) if len(names) > 1 else names[0])
     return P(*entries)
+
+
+_AXIS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_hint(text: str) -> tuple[str, object]:
+    """A ``--hint REGEX=SPEC`` argument: the regex (checked) and the spec (`parse_spec`).
+
+    Example:
+        >>> parse_hint("batch/.*=data")
+        ('batch/.*', P('data',))
+    """
+    key, sep, spec = text.rpartition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(
+            f"--hint {text!r} is not REGEX=SPEC; write e.g. 'batch/.*=data' or 'params/w=None,model'"
+        )
+    try:
+        re.compile(key)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"--hint {text!r}: {key!r} is not a regex ({e})") from None
+    return key, parse_spec(spec)
+
+
+def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A ``--mesh`` argument: axis names and sizes, ``data=2,model=4``.
+
+    Example:
+        >>> parse_mesh("data=2,model=4")
+        (('data', 'model'), (2, 4))
+    """
+    names, sizes = [], []
+    for item in text.split(","):
+        name, sep, size = (t.strip() for t in item.partition("="))
+        if not sep or not _AXIS.fullmatch(name) or not size.isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(
+                f"--mesh {text!r}: {item.strip()!r} is not AXIS=SIZE with a positive size; "
+                "write e.g. data=2,model=4"
+            )
+        if name in names:
+            raise argparse.ArgumentTypeError(f"--mesh {text!r}: axis {name!r} appears twice")
+        names.append(name)
+        sizes.append(int(size))
+    return tuple(names), tuple(sizes)
 
 
 _UNITS = {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -59,11 +116,14 @@ def parse_bytes(text: str) -> int:
     number = text.rstrip("KMGTiB ")
     unit = text[len(number) :].strip()
     try:
-        return int(float(number) * _UNITS[unit])
+        value = float(number) * _UNITS[unit]
     except (KeyError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value < 1:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a byte count; write e.g. 2GiB, 512MiB or 1000000"
-        ) from None
+            f"{text!r} is not a positive byte count; write e.g. 2GiB, 512MiB or 1000000"
+        )
+    return int(value)
 
 
 def load_factory(target: str):
@@ -73,18 +133,40 @@ def load_factory(target: str):
         >>> fn, args, hints = load_factory("examples/gpt.py:factory")  # doctest: +SKIP
     """
     where, _, name = target.rpartition(":")
-    if not where:
-        raise SystemExit(f"jaxshard: expected MODULE:FACTORY, got {target!r}")
+    if not where or not name.isidentifier():
+        raise SystemExit(f"jaxshard: expected FILE.py:FACTORY or MODULE:FACTORY, got {target!r}")
     if where.endswith(".py") or os.path.sep in where:
+        if not os.path.isfile(where):
+            raise SystemExit(f"jaxshard: {where}: no such file (from {target!r})")
         sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
         spec = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # dataclasses in the file look their module up here
         spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(where)
-    result = getattr(module, name)()
-    fn, args, hints = (*result, {})[:3] if len(result) == 2 else result
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as e:
+            raise SystemExit(f"jaxshard: cannot import {where!r} (from {target!r}): {e}") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise SystemExit(
+            f"jaxshard: {where} has no function {name!r}; its functions: {', '.join(found)}"
+        )
+    result = factory()
+    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
+        raise SystemExit(
+            f"jaxshard: {target} returned a {type(result).__name__}; a factory returns "
+            "(fn, args) or (fn, args, hints)"
+        )
+    fn, args, hints = (*result, {})[:3]
+    if not callable(fn) or not isinstance(args, (tuple, list)) or not isinstance(hints, dict):
+        raise SystemExit(
+            f"jaxshard: {target} returned ({type(fn).__name__}, {type(args).__name__}, "
+            f"{type(hints).__name__}); expected (a function, a tuple of arguments, a dict of "
+            "hints)"
+        )
     return fn, tuple(args), dict(hints)
 
 
@@ -109,10 +191,17 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(command, help=text)
         p.add_argument("target", help="MODULE:FACTORY returning (fn, args) or (fn, args, hints)")
         p.add_argument(
-            "--mesh", default="data=2,model=4", help="axes and sizes, e.g. data=2,model=4"
+            "--mesh",
+            type=parse_mesh,
+            default=(("data", "model"), (2, 4)),
+            help="axes and sizes, e.g. data=2,model=4",
         )
         p.add_argument(
-            "--hint", action="append", default=[], help="REGEX=SPEC, e.g. 'batch/.*=data'"
+            "--hint",
+            type=parse_hint,
+            action="append",
+            default=[],
+            help="REGEX=SPEC, e.g. 'batch/.*=data'",
         )
         if command != "missing":
             p.add_argument(
@@ -133,8 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print("\n".join(covered_primitives()))
         return 0
-    axes = [item.split("=") for item in args.mesh.split(",")]
-    names, sizes = tuple(a for a, _ in axes), tuple(int(n) for _, n in axes)
+    names, sizes = args.mesh
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "")
@@ -148,12 +236,16 @@ def main(argv: list[str] | None = None) -> int:
     from jaxshard.trace import trace_on_mesh
 
     fn, fn_args, hints = load_factory(args.target)
-    for item in args.hint:
-        key, _, spec = item.rpartition("=")
-        hints[key] = parse_spec(spec)
+    hints.update(args.hint)
     devices = jax.devices()
     if len(devices) < math.prod(sizes):  # e.g. one GPU: plan on the simulated CPU devices
         devices = jax.devices("cpu")
+    if len(devices) < math.prod(sizes):
+        parser.error(
+            f"--mesh needs {math.prod(sizes)} devices and this process has {len(devices)}: "
+            "use a smaller mesh, or set XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{math.prod(sizes)} before the first JAX import"
+        )
     mesh = jax.make_mesh(sizes, names, devices=devices[: math.prod(sizes)])
     if args.command == "missing":
         graph = build_graph(trace_on_mesh(fn, fn_args, {}, mesh), dict(zip(names, sizes)))

@@ -301,6 +301,12 @@ class AutoShard:
             plan.pipelined = tuple(dict.fromkeys(seen.loops))
             if self.saved_plan is None:
                 plan = self._replicated_pipeline(plan, fn, dyn_args, dyn_kwargs, hints)
+        if self.saved_plan is not None and saved != [loop.to_json() for loop in plan.pipelined]:
+            raise ShardingError(
+                f"the saved plan's pipeline {saved} is not this step's "
+                f"{[loop.to_json() for loop in plan.pipelined]} (pipeline={self.pipeline!r}); "
+                "give auto_shard the pipeline= the plan was made with, or plan again"
+            )
         self.plans_made += 1
         self._latest = plan
         donated = set()

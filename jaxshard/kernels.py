@@ -84,14 +84,18 @@ def to_rule(
     in_shapes: Sequence[Sequence[int]],
     out_shapes: Sequence[Sequence[int]],
     what: str,
+    unresulted: FactorKind = FactorKind.NEED_REPLICATION,
 ) -> Rule:
     """The jaxshard `Rule` a `SdyShardingRule` means for these operand and result shapes.
 
     ``...`` expands to one factor per leading dim (shared by every value of its group);
     a dim of size 1 gets no factor (a broadcast dim, never sharded); a reduction factor
-    combines by sum; a factor Shardy would permute, and a factor that appears in no
-    result without being declared a reduction, need replication (jaxshard never shards
-    them). A rule that does not fit the shapes raises `ShardingError` naming ``what``.
+    combines by sum; a factor Shardy would permute needs replication (jaxshard never
+    shards it). A factor that appears in no result without being declared a reduction
+    is ``unresulted``: need-replication for `with_rule` (whose lowering sums only the
+    declared reductions); a `custom_partitioning` op's own partition callback reduces it,
+    as Shardy lets it, so there it is a reduction (an all-reduce of the results). A rule
+    that does not fit the shapes raises `ShardingError` naming ``what``.
 
     Example:
         >>> r = sdy_rule("... i j, j k -> ... i k", reduction_factors=("j",))
@@ -152,7 +156,7 @@ def to_rule(
         elif n in sdy.need_replication_factors or n in sdy.permutation_factors:
             kind = FactorKind.NEED_REPLICATION
         elif n not in in_results:
-            kind = FactorKind.NEED_REPLICATION
+            kind = unresulted
         factors.append(Factor(n, sizes[n], kind))
     index = {n: k for k, n in enumerate(order)}
 

@@ -40,10 +40,19 @@ from jaxshard.cost import (
     xla_scope,
 )
 from jaxshard.errors import ShardingError
-from jaxshard.graph import Graph, build_graph
+from jaxshard.graph import Graph, build_graph, find_root
 from jaxshard.lattice import DimSharding, spec_entry, to_spec
 from jaxshard.propagate import DEFAULT_RANK, STORAGE_RANK, Conflict, Origin, Propagator
 from jaxshard.rule import FactorKind
+from jaxshard.saved import (  # noqa: F401 (SavedPlan re-exported)
+    PLAN_FORMAT,
+    PLAN_VERSION,
+    SavedPlan,
+    dims_from_json,
+    dims_to_json,
+    program_fingerprint,
+    read_saved,
+)
 from jaxshard.trace import Traced, auto_view, trace_on_mesh  # noqa: F401 (auto_view re-exported)
 
 
@@ -340,32 +349,23 @@ class Plan:
             >>> text = plan.to_json()  # doctest: +SKIP
             >>> step = jaxshard.auto_shard(mesh, plan=jaxshard.Plan.from_json(text))(fn)  # doctest: +SKIP
         """
-        record = _record(self.traced, self.graph, self.mesh)
-        record["dims"] = [_dims_to_json(d) for d in self.dims]
-        record["out_dims"] = [_dims_to_json(d) for d in self.out_dims]
+        record = record_of(self.traced, self.graph, self.mesh)
+        record["dims"] = [dims_to_json(d) for d in self.dims]
+        record["out_dims"] = [dims_to_json(d) for d in self.out_dims]
         if self.pipelined:
             record["pipeline"] = [loop.to_json() for loop in self.pipelined]
         return json.dumps(record, sort_keys=True, separators=(",", ":"))
 
     @staticmethod
     def from_json(text: str) -> SavedPlan:
-        """Read a plan written by `to_json`; an unknown format or version is an error.
+        """Read a plan written by `to_json`, checked against the format
+        (`jaxshard.saved`): a file that does not follow it is a `ShardingError` naming
+        the field, what it holds and what was expected.
 
         Example:
             >>> saved = Plan.from_json(plan.to_json())  # doctest: +SKIP
         """
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ShardingError(f"not a jaxshard plan: {e}") from None
-        if not isinstance(record, dict) or record.get("format") != PLAN_FORMAT:
-            raise ShardingError("not a jaxshard plan: the JSON has no 'format': 'jaxshard-plan'")
-        if record.get("version") != PLAN_VERSION:
-            raise ShardingError(
-                f"plan version {record.get('version')} is not supported (this jaxshard reads "
-                f"version {PLAN_VERSION}); plan again with this version"
-            )
-        return SavedPlan(record)
+        return read_saved(text)
 
     def verify(self, lowered: Any = None) -> Any:
         """Compile the plan's program and compare its collectives with the predictions;
@@ -500,67 +500,6 @@ def app_moves(
         if axes or r in wants:
             moves.append((r, tuple(wants.get(r, dims[r])), tuple(dims[r]), axes))
     return moves, axes
-
-
-PLAN_FORMAT, PLAN_VERSION = "jaxshard-plan", 1
-
-
-@dataclass(frozen=True)
-class SavedPlan:
-    """A plan read from JSON (`Plan.from_json`): every value's layout, and what it was made
-    for (mesh, argument and result shapes and dtypes). Give it to ``auto_shard(mesh,
-    plan=...)`` or `make_plan(..., saved=...)` to reuse it without planning again."""
-
-    record: dict
-
-    @property
-    def in_specs(self) -> dict[str, PartitionSpec]:
-        """``{argument path: PartitionSpec}``."""
-        dims = self.record["dims"]
-        return {
-            a["name"]: to_spec(_dims_from_json(dims[a["value"]])) for a in self.record["inputs"]
-        }
-
-    def differences(self, other: dict) -> list[str]:
-        """What differs from another record's mesh, arguments and results, one line each."""
-        out = []
-        for key in ("mesh", "inputs", "outputs", "values"):
-            mine, theirs = self.record[key], other[key]
-            if key in ("inputs", "outputs") and len(mine) == len(theirs):
-                out += [f"{key[:-1]} {m['name']}: saved {_leaf_text(m)}, now {_leaf_text(t)}"
-                        for m, t in zip(mine, theirs) if m != t]  # fmt: skip
-            elif mine != theirs:
-                out.append(f"{key}: saved {mine}, now {theirs}")
-        return out
-
-
-def _leaf_text(leaf: dict) -> str:
-    return f"{leaf['name']} {leaf['dtype']}{tuple(leaf['shape'])}"
-
-
-def _dims_to_json(dims) -> list:
-    return [None if d is None else list(d) for d in dims]
-
-
-def _dims_from_json(dims) -> tuple:
-    return tuple(None if d is None else tuple(d) for d in dims)
-
-
-def _record(traced: Traced, graph: Graph, mesh: Mesh) -> dict:
-    leaf = lambda name, vid: {  # noqa: E731
-        "name": name,
-        "value": vid,
-        "shape": list(graph.shapes[vid]),
-        "dtype": str(graph.dtypes[vid]),
-    }
-    return {
-        "format": PLAN_FORMAT,
-        "version": PLAN_VERSION,
-        "mesh": {"axes": list(mesh.axis_names), "sizes": list(mesh.devices.shape)},
-        "inputs": [leaf(n, v) for n, v in zip(traced.in_names, graph.in_vids)],
-        "outputs": [leaf(n, v) for n, v in zip(traced.out_names, graph.out_vids)],
-        "values": len(graph.shapes),
-    }
 
 
 def make_plan(
@@ -1090,13 +1029,20 @@ def _split_options(graph: Graph, dims, vid: int, sizes: Mapping[str, int]) -> li
     ]
 
 
-def split_storage(pins: Mapping[int, Pin], graph: Graph) -> tuple[dict[int, Pin], dict[int, Pin]]:
+def split_storage(
+    pins: Mapping[int, Pin], graph: Graph, classes: bool = True
+) -> tuple[dict[int, Pin], dict[int, Pin]]:
     """Split the pins into the computation's layout and storage layouts (FSDP/ZeRO).
 
     The state of a step (the arguments whose new value it returns: parameters,
     optimizer state) is where a layout can be a *storage* layout: a mesh axis that a
     pin on anything else (the batch, an in-function hint) spends on the computation is,
-    on a state leaf, only where that leaf lives between steps. Propagation runs the
+    on a state leaf, only where that leaf lives between steps, unless the computation
+    spends it on that very dim: an axis that a pin on anything else puts on a dim one
+    factor ties to the leaf's dim (`_dim_classes`) stays on the computation (MaxText's
+    layout puts the MLP's hidden dim on "tensor" both in the activations and in the
+    weight; only the weight's "fsdp" is storage). ``classes=False`` skips that test
+    (for graphs whose apps are not rules, as in the example). Propagation runs the
     returned compute pins to a fixed point first; the storage pins follow at
     `STORAGE_RANK` into what is still open (the optimizer update, the gradient), and
     where they meet the computation's layout they lose: the parameter is gathered at its
@@ -1111,7 +1057,7 @@ def split_storage(pins: Mapping[int, Pin], graph: Graph) -> tuple[dict[int, Pin]
         >>> from types import SimpleNamespace
         >>> g = SimpleNamespace(in_vids=[0, 1], out_vids=[2], ties=[(1, 0)])
         >>> pins = {0: Pin((("data",), None), "batch"), 1: Pin((("data",), ("model",)), "w")}
-        >>> compute, storage = split_storage(pins, g)
+        >>> compute, storage = split_storage(pins, g, classes=False)
         >>> compute[1].dims, storage[1].dims
         ((None, ('model',)), (('data',), ('model',)))
     """
@@ -1122,19 +1068,80 @@ def split_storage(pins: Mapping[int, Pin], graph: Graph) -> tuple[dict[int, Pin]
     used = {
         ax for vid, pin in spent.items() if vid not in state for d in pin.dims for ax in d or ()
     }
+    stored = [
+        vid
+        for vid, pin in pins.items()
+        if vid in state and any(ax in used for d in pin.dims for ax in d or ())
+    ]
+    # per (value, dim) class of dims one factor ties together: the axes the pins on
+    # everything else put there
+    spent_on: dict[int, set[str]] | None = None
+    root = None
+    if stored and classes:
+        parent, offset = _dim_classes(graph)
+
+        def root(vid: int, d: int) -> int:
+            return find_root(parent, offset[vid] + d)
+
+        spent_on = {}
+        for vid, pin in spent.items():
+            if vid not in state:
+                for d, axes in enumerate(pin.dims):
+                    if axes:
+                        spent_on.setdefault(root(vid, d), set()).update(axes)
     compute, storage = {}, {}
     for vid, pin in pins.items():
-        stored = vid in state and any(ax in used for d in pin.dims for ax in d or ())
-        if not stored:
+        if vid not in stored:
             compute[vid] = pin
             continue
-        axes = sorted({ax for d in pin.dims for ax in d or () if ax in used})
+        apart = [
+            {
+                ax
+                for ax in d or ()
+                if ax in used and (root is None or ax not in spent_on.get(root(vid, i), ()))
+            }
+            for i, d in enumerate(pin.dims)
+        ]
+        axes = sorted(set().union(*apart))
+        if not axes:  # the computation spends these axes on these very dims
+            compute[vid] = pin
+            continue
         note = f" (storage: the computation spends {', '.join(map(repr, axes))} elsewhere)"
         storage[vid] = Pin(pin.dims, pin.source + note, pin.kind, pin.parts)
-        kept = tuple(_compute_part(d, used) for d in pin.dims)
+        kept = tuple(_compute_part(d, a) for d, a in zip(pin.dims, apart))
         if any(d is not None for d in kept):
             compute[vid] = Pin(kept, pin.source, pin.kind, pin.parts)
     return compute, storage
+
+
+def _dim_classes(graph: Graph) -> tuple[list[int], list[int]]:
+    """Union-find over every (value, dim): the dims each factor of each application ties
+    together (a need-replication factor ties nothing: its dims are never split), as
+    ``(parent, offset)``; dim ``d`` of value ``v`` is element ``offset[v] + d``.
+
+    Example:
+        >>> parent, offset = _dim_classes(graph)  # doctest: +SKIP
+        >>> find_root(parent, offset[x] + 1) == find_root(parent, offset[w] + 0)  # doctest: +SKIP
+        True
+    """
+    offset = [0]
+    for shape in graph.shapes:
+        offset.append(offset[-1] + len(shape))
+    parent = list(range(offset[-1]))
+    for app in graph.apps:
+        rule = app.rule
+        vids = (*app.operands, *app.results)
+        first: dict[int, int] = {}
+        for t, dims in enumerate((*rule.operands, *rule.results)):
+            for d, fl in enumerate(dims):
+                big = [f for f in fl if rule.factors[f].size > 1]  # the major factor
+                if not big or rule.factors[big[0]].kind is FactorKind.NEED_REPLICATION:
+                    continue
+                k = find_root(parent, offset[vids[t]] + d)
+                other = find_root(parent, first.setdefault(big[0], k))
+                if other != k:
+                    parent[k] = other
+    return parent, offset
 
 
 def _compute_part(dim: DimSharding, used: set[str]) -> DimSharding:
@@ -1150,18 +1157,39 @@ def _compute_part(dim: DimSharding, used: set[str]) -> DimSharding:
     return rest or None
 
 
+def record_of(traced: Traced, graph: Graph, mesh: Mesh) -> dict:
+    """What a saved plan records of the program it was made for: format, mesh, program
+    fingerprint, argument and result leaves (`jaxshard.saved` documents the fields)."""
+    leaf = lambda name, vid: {  # noqa: E731
+        "name": name,
+        "value": vid,
+        "shape": list(graph.shapes[vid]),
+        "dtype": str(graph.dtypes[vid]),
+    }
+    return {
+        "format": PLAN_FORMAT,
+        "version": PLAN_VERSION,
+        "mesh": {"axes": list(mesh.axis_names), "sizes": list(mesh.devices.shape)},
+        "inputs": [leaf(n, v) for n, v in zip(traced.in_names, graph.in_vids)],
+        "outputs": [leaf(n, v) for n, v in zip(traced.out_names, graph.out_vids)],
+        "values": len(graph.shapes),
+        "program": program_fingerprint(graph),
+    }
+
+
 def _replan(traced: Traced, graph: Graph, mesh: Mesh, saved: SavedPlan) -> Plan:
-    diffs = saved.differences(_record(traced, graph, mesh))
+    diffs = saved.differences(record_of(traced, graph, mesh))
     if diffs:
         raise ShardingError(
             "the saved plan does not match this function, arguments or mesh:\n  "
             + "\n  ".join(diffs)
-            + "\nPlan again (drop plan=...) or load the plan made for these shapes."
+            + "\nPlan again (drop plan=...) or load the plan made for this program."
         )
+    saved.check(graph)
     prop = Propagator(graph, mesh_axis_sizes(mesh))
     for vid, dims in enumerate(saved.record["dims"]):
-        prop.pin(vid, Pin(_dims_from_json(dims), "saved plan"))
-    out_dims = [_dims_from_json(d) for d in saved.record["out_dims"]]
+        prop.pin(vid, Pin(dims_from_json(dims), "saved plan"))
+    out_dims = [dims_from_json(d) for d in saved.record["out_dims"]]
     return Plan(traced, graph, prop, mesh, out_dims)
 
 

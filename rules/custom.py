@@ -2,7 +2,9 @@
 
 A `custom_partitioning` equation carries the ``sharding_rule`` it gives Shardy (an
 `SdyShardingRule`; a string is parsed into one when the op is defined): it becomes the
-jaxshard rule, need-replication, reduction and compound factors included. Without one
+jaxshard rule, need-replication, reduction and compound factors included; a factor only
+its operands have is a reduction, as Shardy reads it (the op's partition callback sums
+it). Without one
 (or with a rule computed by a callback at lowering time) the op stays a boundary and the
 planner warns. A `with_rule` equation carries the user's rule for its first results;
 constants the body captured and values it saves for the backward pass are appended as
@@ -16,7 +18,7 @@ from jax.experimental.custom_partitioning import SdyShardingRule, custom_partiti
 from jax.extend.core import JaxprEqn
 
 from jaxshard.kernels import call_rule, to_rule, with_rule_p
-from jaxshard.rule import Rule, register_rule, shapes_of
+from jaxshard.rule import FactorKind, Rule, register_rule, shapes_of
 
 
 @register_rule(custom_partitioning_p)
@@ -38,7 +40,8 @@ def custom_partitioning_rule(eqn: JaxprEqn) -> Rule | None:
         return None
     name = getattr(eqn.params.get("call"), "jaxpr", None)
     what = "custom_partitioning" + (f" ({_debug_name(name)})" if name is not None else "")
-    return to_rule(sdy, shapes_of(eqn.invars), shapes_of(eqn.outvars), what)
+    # a factor only its operands have is one the op's partition callback reduces
+    return to_rule(sdy, shapes_of(eqn.invars), shapes_of(eqn.outvars), what, FactorKind.REDUCTION)
 
 
 def _debug_name(jaxpr) -> str:

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_leaves_match
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -588,3 +590,151 @@ def test_bad_replicate():
 def test_pipeline_option_takes_a_pipeline(pipe_mesh):
     with pytest.raises(ShardingError, match=r"pipeline= takes a jaxshard.Pipeline"):
         jaxshard.auto_shard(pipe_mesh, pipeline="stage")(lambda x: x)
+
+
+# --- saved plans: untrusted input ------------------------------------------------------
+
+
+def _program_step(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w1"])
+    return jnp.sum((h @ params["w2"]) ** 2)
+
+
+def _scanned(x, w):
+    return jax.lax.scan(lambda c, wl: (jnp.tanh(c @ wl), None), x, w)[0]
+
+
+_ARGS2 = (
+    {
+        "w1": jnp.linspace(-1, 1, 12 * 16).reshape(12, 16),
+        "w2": jnp.linspace(1, -1, 16 * 8).reshape(16, 8),
+    },
+    {"x": jnp.linspace(-2, 2, 8 * 12).reshape(8, 12)},
+)
+_SCAN_ARGS = (
+    jnp.linspace(-1, 1, 8 * 16).reshape(8, 16),
+    jnp.linspace(-0.3, 0.3, 3 * 16 * 16).reshape(3, 16, 16),
+)
+PROGRAMS = {
+    "matmuls": (
+        jax.grad(_program_step),
+        _ARGS2,
+        {r"batch/.*": P("data"), r"params/w1": P(None, "model")},
+    ),
+    "scan": (_scanned, _SCAN_ARGS, {"x": P("data"), "w": P(None, None, "model")}),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_programs(mesh):
+    """Per program: its saved plan (JSON text) and the unsharded result to compare with."""
+    out = {}
+    for name, (fn, args, hints) in PROGRAMS.items():
+        text = jaxshard.auto_shard(mesh, hints)(fn).plan(*args).to_json()
+        out[name] = (fn, args, text, jax.jit(fn)(*args))
+    return out
+
+
+def test_a_plan_saved_for_another_program_is_refused(mesh):
+    # the same argument shapes, the same number of values, another program
+    def first(x, w1, w2):
+        return jnp.tanh(x @ w1) @ w2
+
+    def second(x, w1, w2):
+        return jnp.tanh(x @ w1 @ w2)
+
+    args = (jnp.ones((8, 16)), jnp.ones((16, 16)), jnp.ones((16, 16)))
+    text = jaxshard.auto_shard(mesh, {"x": P("data")})(first).plan(*args).to_json()
+    step = jaxshard.auto_shard(mesh, plan=jaxshard.Plan.from_json(text))(second)
+    with pytest.raises(
+        ShardingError,
+        match=r"(?s)does not match.*program: a different function \(equation 1 is 'tanh' in the "
+        r"saved plan, 'dot_general' now\).*Plan again",
+    ):
+        step(*args)
+
+
+def _json_paths(node, path=()):
+    """Every path into a JSON document (the root excluded)."""
+    items = (
+        node.items()
+        if isinstance(node, dict)
+        else enumerate(node)
+        if isinstance(node, list)
+        else ()
+    )
+    for key, child in items:
+        yield path + (key,)
+        yield from _json_paths(child, path + (key,))
+
+
+_REPLACEMENTS = [
+    None,
+    -1,
+    0,
+    10**12,
+    1.5,
+    True,
+    "x",
+    "data",
+    [],
+    {},
+    [None],
+    ["model"],
+    [["data", "data"]],
+]
+
+
+@st.composite
+def corrupted(draw, texts: dict):
+    """A saved plan of one of ``texts``, corrupted: truncated, one character replaced, a
+    value at a random JSON path replaced, a field dropped or one added."""
+    import json
+
+    name = draw(st.sampled_from(sorted(texts)))
+    text = texts[name]
+    how = draw(st.sampled_from(["truncate", "character", "value", "drop", "add"]))
+    if how == "truncate":
+        return name, text[: draw(st.integers(0, len(text) - 1))]
+    if how == "character":
+        i = draw(st.integers(0, len(text) - 1))
+        return name, text[:i] + draw(st.sampled_from(list('0129-"[]{},:nxa '))) + text[i + 1 :]
+    record = json.loads(text)
+    paths = list(_json_paths(record))
+    path = draw(st.sampled_from(paths))
+    parent = record
+    for key in path[:-1]:
+        parent = parent[key]
+    if how == "value":
+        parent[path[-1]] = draw(st.sampled_from(_REPLACEMENTS))
+    elif how == "drop":
+        if isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent.pop(path[-1])
+    elif isinstance(parent, dict):
+        parent["extra"] = draw(st.sampled_from(_REPLACEMENTS))
+    else:
+        parent.insert(path[-1], draw(st.sampled_from(_REPLACEMENTS)))
+    return name, json.dumps(record)
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(data=st.data())
+def test_a_corrupted_saved_plan_is_refused_or_runs_right(mesh, saved_programs, data):
+    texts = {name: entry[2] for name, entry in saved_programs.items()}
+    name, text = data.draw(corrupted(texts))
+    fn, args, _, expected = saved_programs[name]
+    try:
+        saved = jaxshard.Plan.from_json(text)
+        got = jaxshard.auto_shard(mesh, plan=saved)(fn)(*args)
+    except ShardingError:
+        event("refused")
+        return
+    event("ran")
+    assert_leaves_match(got, expected, rel=1e-5)

@@ -1,5 +1,6 @@
 """The command line, and planning across a primitive that has no rule."""
 
+import argparse
 import os
 import re
 import shlex
@@ -11,10 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import jaxshard
-from jaxshard.__main__ import main, parse_spec
+from jaxshard.__main__ import load_factory, main, parse_bytes, parse_hint, parse_mesh, parse_spec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -77,7 +80,7 @@ def test_memory_budget_needs_search_and_a_byte_count(capsys):
         with pytest.raises(SystemExit):
             main(["explain", target, *extra])
     err = capsys.readouterr().err
-    assert "--memory-budget needs --search" in err and "'lots' is not a byte count" in err
+    assert "--memory-budget needs --search" in err and "'lots' is not a positive byte count" in err
 
 
 def test_unknown_primitive_warns_once_and_is_a_boundary(mesh):
@@ -132,3 +135,111 @@ def test_the_readme_explain_command_works_as_documented():
     assert out.startswith("jaxshard plan on mesh (data=2 x model=4)")
     assert re.search(r"^params/layers/0/attn/wq .* P\(None, 'model'\) ", out, re.M)
     assert "all-reduce over model" in out and "predicted communication:" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        pytest.param(
+            ["--mesh", "data=2,model"], r"'model' is not AXIS=SIZE", id="mesh-size-missing"
+        ),
+        pytest.param(
+            ["--mesh", "data=0"],
+            r"'data=0' is not AXIS=SIZE with a positive size",
+            id="mesh-size-0",
+        ),
+        pytest.param(["--mesh", "data=two"], r"'data=two' is not AXIS=SIZE", id="mesh-size-word"),
+        pytest.param(
+            ["--mesh", "data=2,data=4"], r"axis 'data' appears twice", id="mesh-axis-twice"
+        ),
+        pytest.param(
+            ["--mesh", "data=64"],
+            r"--mesh needs 64 devices and this process has 8",
+            id="mesh-too-big",
+        ),
+        pytest.param(["--hint", "batch"], r"--hint 'batch' is not REGEX=SPEC", id="hint-no-equals"),
+        pytest.param(["--hint", "=data"], r"--hint '=data' is not REGEX=SPEC", id="hint-no-regex"),
+        pytest.param(["--hint", "batch/(=data"], r"'batch/\(' is not a regex", id="hint-bad-regex"),
+        pytest.param(
+            ["--hint", "x=data**model"], r"'' is not a mesh axis name", id="hint-empty-axis"
+        ),
+        pytest.param(["--hint", "x=data,,model"], r"has an empty entry", id="hint-empty-entry"),
+        pytest.param(
+            ["--search", "--memory-budget=-1GiB"],
+            r"not a positive byte count",
+            id="negative-budget",
+        ),
+        pytest.param(
+            ["--search", "--memory-budget", "nanMiB"], r"not a positive byte count", id="nan-budget"
+        ),
+    ],
+)
+def test_bad_command_line_arguments_exit_2_saying_the_fix(capsys, argv, message):
+    target = os.path.join(ROOT, "examples", "mlp.py:factory")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["explain", target, *argv])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def _factory_file(tmp_path, body: str) -> str:
+    path = tmp_path / "factory_file.py"
+    path.write_text("import jax.numpy as jnp\n" + body)
+    return str(path)
+
+
+_RETURNS = "def factory():\n    return {}\n"
+
+
+@pytest.mark.parametrize(
+    "target, body, message",
+    [
+        pytest.param("missing.py:factory", None, r"missing.py: no such file", id="no-file"),
+        pytest.param(
+            "no_such_module_xyz:factory",
+            None,
+            r"cannot import 'no_such_module_xyz'",
+            id="no-module",
+        ),
+        pytest.param(
+            "FILE:nothing",
+            _RETURNS.format("None"),
+            r"has no function 'nothing'; its functions: factory",
+            id="no-function",
+        ),
+        pytest.param(
+            "FILE:factory",
+            _RETURNS.format("3"),
+            r"returned a int; a factory returns \(fn, args\)",
+            id="not-a-tuple",
+        ),
+        pytest.param(
+            "FILE:factory", _RETURNS.format("(jnp.sin,)"), r"returned a tuple", id="one-element"
+        ),
+        pytest.param(
+            "FILE:factory",
+            _RETURNS.format("(jnp.sin, 3, {})"),
+            r"expected \(a function, a tuple",
+            id="args-not-a-tuple",
+        ),
+        pytest.param("FILE", None, r"expected FILE.py:FACTORY", id="no-colon"),
+    ],
+)
+def test_bad_factory_targets_say_what_is_wrong(tmp_path, target, body, message):
+    if body is not None:
+        target = target.replace("FILE", _factory_file(tmp_path, body))
+    with pytest.raises(SystemExit, match=message):
+        load_factory(target)
+
+
+_TEXT = st.text(alphabet="ab=,*?-N one.()/0123456789", max_size=16)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(text=_TEXT)
+def test_command_line_parsers_accept_or_explain_any_text(text):
+    for parse in (parse_spec, parse_mesh, parse_hint, parse_bytes):
+        try:
+            parse(text)
+        except argparse.ArgumentTypeError as e:
+            assert repr(text) in str(e) or repr(text.strip()) in str(e) or "spec" in str(e)

@@ -120,7 +120,7 @@ def test_mismatched_mesh_is_an_error(mesh):
     [
         ("{", "not a jaxshard plan"),
         ('{"format": "x"}', "no 'format'"),
-        ('{"format": "jaxshard-plan", "version": 99}', "version 99"),
+        ('{"format": "jaxshard-plan", "version": 99}', "version is 99"),
     ],
 )
 def test_bad_plan_files(text, message):

@@ -682,8 +682,18 @@ class Problem(MemoryModel):
         for i in sorted(self.leaf_group):
             lay = self.leaf_layout(i, choice) or []
             # a full spec: a shorter one would leave its trailing dims to propagation
+            entries: list = list(map(spec_entry, lay))
+            refs = self.refs(self.graph.in_vids[i])
+            used = [a for x in lay for a in x]
+            if len(used) != len(set(used)):
+                # dims fixed by pins elsewhere that give one axis twice (MaxText's activations
+                # put "tensor" on both the embed and the MLP dims a weight joins): left to
+                # propagation, whose conflict policy decides them
+                for d, r in enumerate(refs):
+                    if r < 0 and lay[d]:
+                        entries[d] = PartitionSpec.UNCONSTRAINED
             key = ExactPath(self.traced.in_names[i], "jaxshard search")
-            out[key] = PartitionSpec(*map(spec_entry, lay))
+            out[key] = PartitionSpec(*entries)
         return out
 
     def explain(self, choice, plan, memory, optimal, status, seconds) -> str:
