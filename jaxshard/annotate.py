@@ -95,6 +95,9 @@ class Pin:
     source: str  # e.g. "hint 'params/.*/w1': P(None, 'model')"
     kind: PinKind = PinKind.HINTS
     parts: tuple[Pin, ...] = ()
+    # the hint that made it, the same for every leaf one hint pins (Flax metadata names
+    # each leaf's path in ``source``, but one spec is one hint); "" where ``source`` is
+    hint: str = ""
 
     def pinned_by(self, dim: int) -> Pin:
         """The unmerged pin that pinned ``dim``.
@@ -269,11 +272,14 @@ def match_hints(
                 JaxshardWarning,
             )
         for i in hits:
+            hint = ""
             if isinstance(key, ExactPath):
                 source = f"{key.origin} on {key.path}: {spec_text(spec)}"
+                hint = f"{key.origin}: {spec_text(spec)}"
             else:
                 source = f"hint {key!r}: {spec_text(spec)}"
             pin = pin_from_spec(spec, shapes[i], axis_sizes, names[i], source)
+            pin = Pin(pin.dims, pin.source, pin.kind, pin.parts, hint)
             pins[i] = merge_pins(pins[i], pin, names[i]) if i in pins else pin
     return pins
 
@@ -333,7 +339,13 @@ def merge_pins(a: Pin, b: Pin, where: str) -> Pin:
             )
         dims.append(merged)
     parts = (*(a.parts or (a,)), *(b.parts or (b,)))
-    return Pin(tuple(dims), f"{a.source} + {b.source}", a.kind, parts)
+    return Pin(
+        tuple(dims),
+        f"{a.source} + {b.source}",
+        a.kind,
+        parts,
+        f"{a.hint or a.source} + {b.hint or b.source}",
+    )
 
 
 _FIX_NAME = {

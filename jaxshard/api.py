@@ -40,6 +40,7 @@ from jaxshard.flax_meta import (
     resolve_hint_specs,
     restore_linen_boxes,
 )
+from jaxshard.graph import updates
 from jaxshard.lower import Lowered
 from jaxshard.pipeline import Pipeline, intercepting, replica_axes
 from jaxshard.plan import Plan, SavedPlan, auto_view, make_plan, mesh_axis_sizes
@@ -298,7 +299,7 @@ class AutoShard:
             plan = self._plan(fn, dyn_args, dyn_kwargs, hints)
         if seen is not None:
             seen.check()
-            plan.pipelined = tuple(dict.fromkeys(seen.loops))
+            plan._attach(pipelined=tuple(dict.fromkeys(seen.loops)))
             if self.saved_plan is None:
                 plan = self._replicated_pipeline(plan, fn, dyn_args, dyn_kwargs, hints)
         if self.saved_plan is not None and saved != [loop.to_json() for loop in plan.pipelined]:
@@ -317,8 +318,8 @@ class AutoShard:
                 donated.add(k)
             elif group == 1 and index.key in self._donate_names:
                 donated.add(k)
-        if self.donate_state:
-            donated.update(i for i, _ in plan.graph.ties)
+        if self.donate_state:  # only the state the step returns a new value of
+            donated.update(i for i, o in plan.graph.ties if updates(plan.graph, i, o))
         entry = _Entry(Lowered(plan), donated)
         entry.out_static = sink.get("out")
         return entry
@@ -334,7 +335,7 @@ class AutoShard:
         with intercepting(self.pipeline, self.mesh, axes) as seen:
             again = self._plan(fn, dyn_args, dyn_kwargs, hints)
         seen.check()
-        again.pipelined = tuple(dict.fromkeys(seen.loops))
+        again._attach(pipelined=tuple(dict.fromkeys(seen.loops)))
         return again if again.predicted_bytes <= plan.predicted_bytes else plan
 
     def _plan(self, fn: Callable, dyn_args: tuple, dyn_kwargs: dict, hints: dict) -> Plan:

@@ -32,6 +32,7 @@ from jaxshard.errors import JaxshardBug, JaxshardWarning, warn
 from jaxshard.jax_compat import source_summary
 from jaxshard.lattice import merge_dim
 from jaxshard.rule import (
+    FactorKind,
     Rule,
     annotation_fn_for,
     boundary_fn_for,
@@ -135,6 +136,38 @@ class Graph:
                 if not uses[v] or uses[v][-1] != i:
                     uses[v].append(i)
         return uses
+
+
+def updates(graph: Graph, i: int, o: int) -> bool:
+    """Whether result leaf ``o`` is computed from argument leaf ``i`` through equations
+    that keep its shape and treat each element alone (an optimizer's update, ``p - lr *
+    g``), links into nested calls included: what makes ``o`` the *new value* of ``i``,
+    which ``donate_state`` may donate. A gradient of ``i`` (reached through a matmul's
+    transpose) has its shape too, but is not.
+
+    Example:
+        >>> updates(plan.graph, 0, 0)  # doctest: +SKIP
+        True
+    """
+    start, goal = graph.in_vids[i], graph.out_vids[o]
+    shape = graph.shapes[start]
+    uses = graph.uses()
+    seen, frontier = {start}, [start]
+    while frontier:
+        v = frontier.pop()
+        if v == goal:
+            return True
+        for a in uses[v]:
+            app = graph.apps[a]
+            if v not in app.operands or app.kind == "tie":
+                continue
+            if app.kind == "eqn" and any(f.kind is not FactorKind.PASS for f in app.rule.factors):
+                continue
+            for r in app.results:
+                if r not in seen and graph.shapes[r] == shape:
+                    seen.add(r)
+                    frontier.append(r)
+    return False
 
 
 def find_root(parent: list[int], x: int) -> int:

@@ -232,6 +232,10 @@ class Interception:
 
 _ACTIVE = threading.local()  # the Interception of the planning on this thread, if any
 _ORIGINAL_SCAN = jax.lax.scan
+# `jax.lax.scan` is the interceptor while any thread plans a pipeline; `_scan` passes the
+# calls of every other thread through, and the last interception to end restores it
+_PATCH = threading.Lock()
+_PLANNING = 0
 
 
 @contextlib.contextmanager
@@ -253,15 +257,20 @@ def intercepting(
     pipeline.check_mesh(mesh.axis_names)
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     seen = Interception(pipeline, sizes[pipeline.axis], sizes, tuple(replicas))
+    global _PLANNING
     outer = getattr(_ACTIVE, "value", None)
     _ACTIVE.value = seen
-    jax.lax.scan = _scan
+    with _PATCH:
+        _PLANNING += 1
+        jax.lax.scan = _scan
     try:
         yield seen
     finally:
         _ACTIVE.value = outer
-        if outer is None:
-            jax.lax.scan = _ORIGINAL_SCAN
+        with _PATCH:
+            _PLANNING -= 1
+            if _PLANNING == 0:
+                jax.lax.scan = _ORIGINAL_SCAN
 
 
 def _scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpose=False):

@@ -16,6 +16,7 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -39,7 +40,7 @@ from jaxshard.cost import (
     written_collectives,
     xla_scope,
 )
-from jaxshard.errors import ShardingError
+from jaxshard.errors import JaxshardBug, ShardingError
 from jaxshard.graph import Graph, build_graph, find_root
 from jaxshard.lattice import DimSharding, spec_entry, to_spec
 from jaxshard.propagate import DEFAULT_RANK, STORAGE_RANK, Conflict, Origin, Propagator
@@ -182,7 +183,30 @@ class Plan:
             for i, o in graph.ties:  # the new value of an argument keeps its layout...
                 if graph.out_vids[o] not in prop.hinted:  # ...unless the user pinned the result
                     out_dims[o] = self.dims[graph.in_vids[i]]
-        self.out_dims: tuple[tuple[DimSharding, ...], ...] = tuple(out_dims)
+        self.out_dims: tuple[tuple[DimSharding, ...], ...] = tuple(map(tuple, out_dims))
+        # a plan is a value: the step's cache shares it, so nothing in it changes again
+        for name in ("conflicts", "reshards", "slices", "repeats", "moved_again", "written"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        self.partial = MappingProxyType(self.partial)
+        self._frozen = True
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(
+                f"Plan is immutable: cannot set {name!r} (plan again, or load a saved plan)"
+            )
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"Plan is immutable: cannot delete {name!r}")
+
+    def _attach(self, **found: Any) -> None:
+        """Set what the planning that made this plan found after constructing it (the
+        search's result, the pipelined loops), once, before the plan is handed out."""
+        for name, value in found.items():
+            if name not in ("search_result", "pipelined") or getattr(self, name):
+                raise JaxshardBug(f"Plan._attach({name}=...): set once, before handing out")
+            object.__setattr__(self, name, value)
 
     def _analyze(self, prop: Propagator) -> None:
         g = self.graph
@@ -453,7 +477,8 @@ def duplicate_app(app, seen: set) -> bool:
 
 def analyzed_apps(g: Graph, prop: Propagator) -> list[int]:
     """The applications that may need a reshard: not dead code, not a duplicate of an
-    earlier equation, not already working in its values' layouts (`Propagator.settled`).
+    earlier equation (unless it reduces: `_reduces`), not already working in its values'
+    layouts (`Propagator.settled`).
 
     Example:
         >>> analyzed_apps(plan.graph, prop)  # doctest: +SKIP
@@ -464,8 +489,18 @@ def analyzed_apps(g: Graph, prop: Propagator) -> list[int]:
     return [
         a
         for a, app in enumerate(g.apps)
-        if a not in dead and not duplicate_app(app, seen) and not prop.settled(a)
+        if a not in dead
+        and not (duplicate_app(app, seen) and not _reduces(app))
+        and not prop.settled(a)
     ]
+
+
+def _reduces(app) -> bool:
+    """Whether an application has a reduction factor. XLA merges a duplicate equation
+    but not the all-reduce of its partial result (collectives are never merged as
+    common subexpressions): a softmax computed twice all-reduces its maximum twice, as
+    one tuple all-reduce of the same operand."""
+    return app.eqn is not None and any(f.kind is FactorKind.REDUCTION for f in app.rule.factors)
 
 
 Move = tuple[int, tuple[DimSharding, ...], tuple[DimSharding, ...], frozenset[str]]
@@ -632,7 +667,7 @@ def plan_from_graph(
     groups: dict[str, list[int]] = {}  # storage pins by the hint that made them
     for vid in storage:
         if vid not in decided:
-            groups.setdefault(pins[vid].source, []).append(vid)
+            groups.setdefault(pins[vid].hint or pins[vid].source, []).append(vid)
     for vids in groups.values():  # this hint's axes on the computation instead?
         trial_compute = {**compute, **{v: pins[v] for v in vids}}
         trial_storage = {v: p for v, p in storage.items() if v not in vids}
@@ -1107,10 +1142,10 @@ def split_storage(
             compute[vid] = pin
             continue
         note = f" (storage: the computation spends {', '.join(map(repr, axes))} elsewhere)"
-        storage[vid] = Pin(pin.dims, pin.source + note, pin.kind, pin.parts)
+        storage[vid] = Pin(pin.dims, pin.source + note, pin.kind, pin.parts, pin.hint)
         kept = tuple(_compute_part(d, a) for d, a in zip(pin.dims, apart))
         if any(d is not None for d in kept):
-            compute[vid] = Pin(kept, pin.source, pin.kind, pin.parts)
+            compute[vid] = Pin(kept, pin.source, pin.kind, pin.parts, pin.hint)
     return compute, storage
 
 

@@ -188,6 +188,7 @@ class Propagator:
         other.hinted = set(self.hinted)
         other._queue = deque(self._queue)
         other._queued = bytearray(self._queued)
+        other._journal = None  # a fork made inside `trying` writes into its own state only
         return other
 
     @contextmanager

@@ -56,7 +56,7 @@ from jaxshard.lower import Lowered
 from jaxshard.plan import Plan, gc_paused, plan_from_graph, trace_graph
 from jaxshard.search.problem import US, Problem, group_key
 from jaxshard.search.result import SearchResult, raise_over_budget
-from jaxshard.search.solver import Infeasible, solve
+from jaxshard.search.solver import Infeasible, smallest_memory, solve
 
 __all__ = ["SearchResult", "group_key", "search_hints"]
 
@@ -153,8 +153,23 @@ def search_hints(
                 say(f"propagated: {human_bytes(step_bytes(plan))} of collectives, "
                     f"{human_bytes(memory.total)} of memory per device "
                     f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
-                if target is None or memory.total <= target or not optimal:
+                if target is None or memory.total <= target:
                     return plan, memory, choice, optimal, status
+                if not optimal:
+                    # the time limit stopped the solver over the budget: a budget is a
+                    # promise, so the layout of least memory instead (a smaller problem,
+                    # given a few seconds more), or no plan
+                    deadline = time.perf_counter() + max(time_limit, RESCUE_SECONDS)
+                    points = [memory.peak_app] if memory.peak_app >= 0 else []
+                    for extras in (False, True):
+                        propagated(smallest_memory(problem, list(points), extras, deadline))
+                    memory, plan, choice = min(tried, key=lambda t: t[0].total)
+                    if memory.total <= target:
+                        status += "; over the budget, so the smallest-memory layout instead"
+                        return plan, memory, choice, False, status
+                    if strict:
+                        raise_over_budget(problem, memory_budget, memory, plan)
+                    return plan, memory, choice, False, "the smallest-memory layout found"
                 modeled = problem.memory(choice).total
                 problem.budget *= min(modeled / memory.total, 0.999)
                 say(f"propagation needs {human_bytes(memory.total)}, the model said "
@@ -187,11 +202,14 @@ def search_hints(
         problem.hints_for(choice), step_bytes(plan), memory.total, seconds, optimal, text,
         est_bytes, est_time / US, memory, plan, memory_budget, compiled,
     )  # fmt: skip
-    plan.search_result = result
+    plan._attach(search_result=result)
     return result
 
 
 COMPILES = 4  # the most compiles `calibrate_memory` makes
+# seconds the smallest-memory search may take past a time limit that stopped the solver
+# over its budget (a layout over its budget is never returned)
+RESCUE_SECONDS = 5.0
 
 
 class _Checked(NamedTuple):
