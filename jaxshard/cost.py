@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 from jax.extend.core import Literal
 
-from jaxshard.graph import find_root
+from jaxshard.graph import AppKind, find_root
 from jaxshard.lattice import DimSharding
 
 
@@ -165,7 +165,7 @@ class PlannedCollective(NamedTuple):
 
     kind: str
     axes: tuple[str, ...]
-    bytes: float
+    ring_bytes: float  # what one device sends (ring volume), not a buffer's size
 
     def __str__(self) -> str:
         return f"{self.kind} over {','.join(self.axes)}"
@@ -194,7 +194,7 @@ def reshard_cost(
         (384.0, ['reduce-scatter over model'])
     """
     steps = reshard_collectives(shape, dtype, src, dst, axis_sizes, partial)
-    return sum(s.bytes for s in steps) + 0.0, [str(s) for s in steps]
+    return sum(s.ring_bytes for s in steps) + 0.0, [str(s) for s in steps]
 
 
 def reshard_collectives(
@@ -215,8 +215,8 @@ def reshard_collectives(
         >>> sizes = {"data": 2, "model": 4}
         >>> reshard_collectives((8, 16), np.float32, [("data",), ()], [(), ()], sizes,
         ...                     frozenset({"model"}))
-        [PlannedCollective(kind='all-reduce', axes=('model',), bytes=384.0),
-         PlannedCollective(kind='all-gather', axes=('data',), bytes=256.0)]
+        [PlannedCollective(kind='all-reduce', axes=('model',), ring_bytes=384.0),
+         PlannedCollective(kind='all-gather', axes=('data',), ring_bytes=256.0)]
     """
     # an axis of size 1 moves nothing: XLA emits no collective over it
     src = [tuple(a for a in d or () if axis_sizes[a] > 1) for d in src]
@@ -365,7 +365,7 @@ class CostModel:
             20.73
         """
         steps = reshard_collectives(shape, dtype, src, dst, axis_sizes, partial)
-        return sum(self.collective_time(s.axes, s.bytes) for s in steps)
+        return sum(self.collective_time(s.axes, s.ring_bytes) for s in steps)
 
 
 # --- executions ----------------------------------------------------------------------
@@ -383,7 +383,7 @@ def executions(graph) -> list[int]:
         >>> from jaxshard.graph import build_graph
         >>> f = lambda xs: jax.lax.scan(lambda c, x: (c + jnp.sin(x), None), jnp.zeros(()), xs)
         >>> g = build_graph(trace(f, (jnp.ones(12),), {}), {})
-        >>> [(a.describe().split()[0], n) for a, n in zip(g.apps, executions(g)) if a.kind == "eqn"]
+        >>> [(a.describe().split()[0], n) for a, n in zip(g.apps, executions(g)) if a.kind is AppKind.EQN]
         [('sin', 12), ('add', 12)]
     """
     return [runs for runs, _ in _loops(graph)]
@@ -400,7 +400,7 @@ def in_while_loop(graph) -> list[bool]:
         >>> f = lambda x: jax.lax.while_loop(lambda c: c.sum() < 9, jnp.sin, x)
         >>> g = build_graph(trace(f, (jnp.ones(4),), {}), {})
         >>> sorted({(a.describe().split()[0], w) for a, w in zip(g.apps, in_while_loop(g))
-        ...         if a.kind == "eqn"})
+        ...         if a.kind is AppKind.EQN})
         [('lt', True), ('reduce_sum', True), ('sin', True)]
     """
     return [unknown for _, unknown in _loops(graph)]
@@ -456,7 +456,7 @@ class WrittenCollective:
 
     Example:
         >>> c = WrittenCollective("collective-permute", ("stage",), 4096, 2, 7, False, "m.py:3")
-        >>> c.bytes, str(c)
+        >>> c.ring_bytes, str(c)
         (4096.0, 'collective-permute over stage (written at m.py:3)')
     """
 
@@ -469,7 +469,7 @@ class WrittenCollective:
     line: str
 
     @property
-    def bytes(self) -> float:
+    def ring_bytes(self) -> float:
         """Bytes one device sends each time it runs (ring volumes, as `ring_bytes`)."""
         return ring_bytes(self.kind, self.group, self.local)
 
@@ -524,8 +524,8 @@ def step_bytes(plan) -> float:
         >>> step_bytes(plan)  # doctest: +SKIP
         5246976.0
     """
-    reshards = sum(r.bytes * r.runs for r in plan.reshards)
-    return reshards + sum(c.bytes * c.runs for c in plan.written)
+    reshards = sum(r.ring_bytes * r.runs for r in plan.reshards)
+    return reshards + sum(c.ring_bytes * c.runs for c in plan.written)
 
 
 _CONTRACTIONS = ("dot_general", "conv_general_dilated", "ragged_dot_general")
@@ -590,7 +590,7 @@ def liveness(graph, skip: Iterable[int] = ()) -> Liveness:
     parent = list(range(n))
     skip = set(skip)
     for app in graph.apps:
-        if app.kind == "link" and len(app.operands) == 1 and len(app.results) == 1:
+        if app.kind is AppKind.LINK and len(app.operands) == 1 and len(app.results) == 1:
             o, r = app.operands[0], app.results[0]
             if graph.shapes[o] == graph.shapes[r] and _is_identity(app.rule):
                 ro, rr = find_root(parent, o), find_root(parent, r)
@@ -601,7 +601,7 @@ def liveness(graph, skip: Iterable[int] = ()) -> Liveness:
     start = np.full(n, big, dtype=np.int64)
     end = np.full(n, -1, dtype=np.int64)
     for a, app in enumerate(graph.apps):
-        if a in skip or app.kind != "eqn":
+        if a in skip or app.kind is not AppKind.EQN:
             continue
         for v in app.results:
             o = owner[v]
@@ -640,7 +640,7 @@ def _common_subexpressions(graph, owner: list[int], skip: set[int]) -> list[int]
     seen: dict[tuple, tuple[int, ...]] = {}
     for a, app in enumerate(graph.apps):
         eqn = app.eqn
-        if app.kind != "eqn" or eqn is None or a in skip or eqn.effects:
+        if app.kind is not AppKind.EQN or eqn is None or a in skip or eqn.effects:
             continue
         inputs = tuple(
             _literal_key(var) if isinstance(var, Literal) else owner[v]

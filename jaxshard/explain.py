@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jaxshard.cost import compute_flops, dtype_name, human_bytes, nbytes, per_device_bytes
+from jaxshard.graph import AppKind
 from jaxshard.lattice import to_spec
 from jaxshard.plan import register_stage
 
@@ -71,7 +72,7 @@ def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False
     named += [(n, v, d) for n, v, d in zip(plan.traced.out_names, g.out_vids, plan.out_dims)]
     if intermediates:
         for app in g.apps:
-            if app.kind == "eqn":
+            if app.kind is AppKind.EQN:
                 label = app.describe()
                 named += [
                     (f"%{v} = {label}", v, plan.dims[v]) for v in app.results if v not in g.names
@@ -102,7 +103,13 @@ def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False
         out.append(
             _table(
                 [
-                    [c.line, c.kind, ",".join(c.axes), human_bytes(c.bytes * c.runs), str(c.runs)]
+                    [
+                        c.line,
+                        c.kind,
+                        ",".join(c.axes),
+                        human_bytes(c.ring_bytes * c.runs),
+                        str(c.runs),
+                    ]
                     for c in plan.written
                 ],
                 ["at", "collective", "axes", "bytes/device/call", "runs"],

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, NamedTuple
 
 import jax
@@ -34,6 +35,7 @@ from jaxshard.lattice import merge_dim
 from jaxshard.rule import (
     FactorKind,
     Rule,
+    Side,
     annotation_fn_for,
     boundary_fn_for,
     identity_rule,
@@ -62,6 +64,15 @@ def source_line(eqn: JaxprEqn, enclosing: Where = None) -> str:
     return line or "<inside JAX>"
 
 
+class AppKind(StrEnum):
+    """What an application is: an equation's rule, a link between an outer value and a
+    nested jaxpr's, or a tie of a result to the argument it is the new value of."""
+
+    EQN = "eqn"
+    LINK = "link"
+    TIE = "tie"
+
+
 class App(NamedTuple):
     """One rule applied to values: an equation, a region link, or a result-argument tie.
     (A named tuple: one is made per equation, so it must be cheap to create.)"""
@@ -69,7 +80,7 @@ class App(NamedTuple):
     rule: Rule
     operands: tuple[int, ...]
     results: tuple[int, ...]
-    kind: str  # "eqn" | "link" | "tie"
+    kind: AppKind
     eqn: JaxprEqn | None = None
     where: Where = None
 
@@ -159,9 +170,11 @@ def updates(graph: Graph, i: int, o: int) -> bool:
             return True
         for a in uses[v]:
             app = graph.apps[a]
-            if v not in app.operands or app.kind == "tie":
+            if v not in app.operands or app.kind is AppKind.TIE:
                 continue
-            if app.kind == "eqn" and any(f.kind is not FactorKind.PASS for f in app.rule.factors):
+            if app.kind is AppKind.EQN and any(
+                f.kind is not FactorKind.PASS for f in app.rule.factors
+            ):
                 continue
             for r in app.results:
                 if r not in seen and graph.shapes[r] == shape:
@@ -213,7 +226,7 @@ def build_graph(traced: Traced, axis_sizes: Mapping[str, int]) -> Graph:
         vi, vo = g.in_vids[i], g.out_vids[o]
         g.ties.append((i, o))
         if vi != vo:
-            g.apps.append(App(identity_rule(g.shapes[vi]), (vi,), (vo,), "tie"))
+            g.apps.append(App(identity_rule(g.shapes[vi]), (vi,), (vo,), AppKind.TIE))
     if g.unknown:
         listed = "; ".join(
             f"{p} (first at {line}){_cost(g, *g.cut[p])}" for p, line in g.unknown.items()
@@ -325,7 +338,7 @@ def _build(
                     identity_rule(g.shapes[operands[0]]),
                     (operands[0],),
                     (results[0],),
-                    "eqn",
+                    AppKind.EQN,
                     eqn,
                     enclosing,
                 )
@@ -357,7 +370,7 @@ def _build(
             ins.extend(operands)
             outs.extend(results)
             continue
-        g.apps.append(App(rule, tuple(operands), tuple(results), "eqn", eqn, enclosing))
+        g.apps.append(App(rule, tuple(operands), tuple(results), AppKind.EQN, eqn, enclosing))
         for i, written, param in written_shardings(eqn) if eqn.params else ():
             where = f"{primitive.name} at {source_line(eqn, enclosing)}"
             name = "out_sharding" if param != "devices" else "target"
@@ -422,7 +435,7 @@ def _pin_boundary(
                 # a valid program: XLA reshards between the layouts two equations fix for
                 # one value, so this equation reads a copy, linked by a reshard
                 view = g.new_value(eqn.invars[i].aval)
-                g.apps.append(App(identity_rule(g.shapes[vid]), (vid,), (view,), "link", eqn))
+                g.apps.append(App(identity_rule(g.shapes[vid]), (vid,), (view,), AppKind.LINK, eqn))
                 vid = view
             g.pins[vid] = (
                 merge_pins(g.pins[vid], pin, f"{source}, {kind} {i}") if vid in g.pins else pin
@@ -450,21 +463,21 @@ def _build_regions(
     for r, region in enumerate(regions):
         inner_in: list[int | None] = [None] * len(region.jaxpr.invars)
         for link in region.links:
-            if link.outer[0] == "in" and link.inner[0] == "in" and link.rule is None:
-                inner_in[link.inner[1]] = operands[link.outer[1]]
+            if link.outer.side is Side.IN and link.inner.side is Side.IN and link.rule is None:
+                inner_in[link.inner.index] = operands[link.outer.index]
         inner_in_vids = [
             vid if vid is not None else g.new_value(var.aval)
             for vid, var in zip(inner_in, region.jaxpr.invars)
         ]
         inner_out = _build(g, region.jaxpr, inner_in_vids, path + (r,), axis_sizes, where)
-        inner = {"in": inner_in_vids, "out": inner_out}
+        inner = {Side.IN: inner_in_vids, Side.OUT: inner_out}
         for link in region.links:
             kind, i = link.outer
-            vid = inner[link.inner[0]][link.inner[1]]
-            if kind == "in":
-                if link.rule is not None or link.inner[0] != "in":
+            vid = inner[link.inner.side][link.inner.index]
+            if kind is Side.IN:
+                if link.rule is not None or link.inner.side is not Side.IN:
                     rule = link.rule or identity_rule(g.shapes[operands[i]])
-                    g.apps.append(App(rule, (operands[i],), (vid,), "link", eqn, where[1]))
+                    g.apps.append(App(rule, (operands[i],), (vid,), AppKind.LINK, eqn, where[1]))
             elif link.rule is None and results[i] is None:
                 results[i] = vid
             else:
@@ -478,7 +491,7 @@ def _build_regions(
                             identity_rule(g.shapes[vids[0]]),
                             (vids[0],),
                             (other,),
-                            "link",
+                            AppKind.LINK,
                             eqn,
                             where[1],
                         )
@@ -490,7 +503,7 @@ def _build_regions(
     for i, vid, rule in pending:
         if vid != results[i]:
             rule = rule or identity_rule(g.shapes[results[i]])
-            g.apps.append(App(rule, (results[i],), (vid,), "link", eqn, where[1]))
+            g.apps.append(App(rule, (results[i],), (vid,), AppKind.LINK, eqn, where[1]))
 
 
 def tied_results(traced: Traced) -> list[tuple[int, int]]:

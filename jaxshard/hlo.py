@@ -84,7 +84,7 @@ class Collective:
 
     kind: str
     axes: frozenset[str]
-    bytes: int
+    bytes: int  # one operand's buffer per device (the ring volume is `ring_bytes`)
     group: int = field(default=0, compare=False)
     runs: int | None = field(default=1, compare=False)
 

@@ -27,6 +27,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.extend.core import primitives as prims
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxshard.graph import AppKind
 from jaxshard.jax_compat import (
     UNSPECIFIED,
     context_on_mesh,
@@ -200,7 +201,7 @@ def pinned_values(plan: Plan) -> set[int]:
     g = plan.graph
     pinned = set(g.pins)
     for app in g.apps:
-        if app.kind == "eqn" and any(f.kind is not FactorKind.PASS for f in app.rule.factors):
+        if app.kind is AppKind.EQN and any(f.kind is not FactorKind.PASS for f in app.rule.factors):
             pinned.update(app.results)
     for r in plan.reshards:
         pinned.add(r.vid)
@@ -239,7 +240,7 @@ def operands_at_use(plan: Plan) -> dict[int, dict[int, tuple]]:
     moves = [(r.app, r.vid, r.dst) for r in plan.reshards if (r.app, r.vid) not in again]
     for a, vid, dst in (*moves, *plan.repeats):
         app = g.apps[a]
-        if app.kind != "eqn" or vid in app.results or not app.results:
+        if app.kind is not AppKind.EQN or vid in app.results or not app.results:
             continue
         found.setdefault(app.results[0], {})[vid] = dst
     return found

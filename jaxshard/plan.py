@@ -41,9 +41,16 @@ from jaxshard.cost import (
     xla_scope,
 )
 from jaxshard.errors import JaxshardBug, ShardingError
-from jaxshard.graph import Graph, build_graph, find_root
+from jaxshard.graph import AppKind, Graph, build_graph, find_root
 from jaxshard.lattice import DimSharding, spec_entry, to_spec
-from jaxshard.propagate import DEFAULT_RANK, STORAGE_RANK, Conflict, Origin, Propagator
+from jaxshard.propagate import (
+    DEFAULT_RANK,
+    STORAGE_RANK,
+    Conflict,
+    Origin,
+    OriginKind,
+    Propagator,
+)
 from jaxshard.rule import FactorKind
 from jaxshard.saved import (  # noqa: F401 (SavedPlan re-exported)
     PLAN_FORMAT,
@@ -60,8 +67,8 @@ from jaxshard.trace import Traced, auto_view, trace_on_mesh  # noqa: F401 (auto_
 @dataclass(frozen=True)
 class Reshard:
     """A predicted reshard: at application ``app``, value ``vid`` moves ``src``->``dst``
-    (after summing pending ``partial`` reductions) by the collectives ``steps``, moving
-    ``bytes`` per device each time
+    (after summing pending ``partial`` reductions) by the collectives ``steps``, sending
+    ``ring_bytes`` per device (ring volume) each time
     the equation runs: ``runs`` times per call (the lengths of the scans around it). In a
     while loop (``in_while``) the trip count is not known when planning, and ``runs``
     counts the loop once."""
@@ -71,7 +78,7 @@ class Reshard:
     src: tuple[DimSharding, ...]
     dst: tuple[DimSharding, ...]
     partial: frozenset[str]
-    bytes: float
+    ring_bytes: float
     steps: tuple[PlannedCollective, ...]
     where: str
     runs: int = 1
@@ -84,8 +91,8 @@ class Reshard:
 
     @property
     def call_bytes(self) -> float:
-        """Bytes per device per call: ``bytes * runs``."""
-        return self.bytes * self.runs
+        """Bytes per device per call: ``ring_bytes * runs``."""
+        return self.ring_bytes * self.runs
 
 
 def mesh_axis_sizes(mesh: Mesh) -> dict[str, int]:
@@ -125,7 +132,7 @@ def contracts(app) -> bool:
         >>> contracts(plan.graph.apps[0])  # doctest: +SKIP
         True
     """
-    return app.kind == "eqn" and any(
+    return app.kind is AppKind.EQN and any(
         f.kind is FactorKind.REDUCTION and not f.indexed for f in app.rule.factors
     )
 
@@ -247,7 +254,7 @@ class Plan:
         if not steps:
             self.slices.append((a, vid))
         else:
-            cost = sum(s.bytes for s in steps) + 0.0
+            cost = sum(s.ring_bytes for s in steps) + 0.0
             self.reshards.append(
                 Reshard(a, vid, src, dst, partial, cost, tuple(steps), g.apps[a].describe(),
                         self._runs[a], self._in_while[a])
@@ -342,26 +349,32 @@ class Plan:
         """
         texts = []
         for d, origin in enumerate(self.origins[vid]):
-            if origin is not None and (self.dims[vid][d] or origin.kind == "hint"):
+            if origin is not None and (self.dims[vid][d] or origin.kind is OriginKind.HINT):
                 texts.append(f"dim {d}: {self._describe_origin(vid, d)}")
         return "; ".join(texts) or "replicated: nothing sharded it"
 
     def _describe_origin(self, vid: int, d: int) -> str:
         origin = self.origins[vid][d]
-        if origin.kind != "propagated":
+        if origin.kind is not OriginKind.PROPAGATED:
             return origin.text
         via = self.graph.apps[origin.app].describe()
         seen = set()
         args = set(self.graph.in_vids)
-        while origin is not None and origin.kind == "propagated" and (vid, d) not in seen:
+        while origin is not None and origin.kind is OriginKind.PROPAGATED and (vid, d) not in seen:
             seen.add((vid, d))
             vid, d = origin.source, origin.source_dim
             origin = self.origins[vid][d]
             name = self.graph.names.get(vid)
-            if name is not None and (vid in args or origin is None or origin.kind != "propagated"):
-                hint = f" ({origin.text})" if origin is not None and origin.kind == "hint" else ""
+            if name is not None and (
+                vid in args or origin is None or origin.kind is not OriginKind.PROPAGATED
+            ):
+                hint = (
+                    f" ({origin.text})"
+                    if origin is not None and origin.kind is OriginKind.HINT
+                    else ""
+                )
                 return f"propagated from {name} dim {d}{hint} via {via}"
-        if origin is not None and origin.kind == "hint":
+        if origin is not None and origin.kind is OriginKind.HINT:
             return f"propagated from {origin.text} via {via}"
         return f"propagated via {via}"
 
@@ -423,21 +436,21 @@ def dead_apps(g: Graph) -> set[int]:
     for app in g.apps:
         for v in app.operands:
             readers[v] += 1
-        if app.kind != "eqn":  # links and ties read their results too
+        if app.kind is not AppKind.EQN:  # links and ties read their results too
             for v in app.results:
                 readers[v] += 1
     for v in g.out_vids:
         readers[v] += 1
     producer = {}
     for a, app in enumerate(g.apps):
-        if app.kind == "eqn":
+        if app.kind is AppKind.EQN:
             for v in app.results:
                 producer[v] = a
     dead: set[int] = set()
     work = [
         a
         for a, app in enumerate(g.apps)
-        if app.kind == "eqn" and not any(readers[v] for v in app.results)
+        if app.kind is AppKind.EQN and not any(readers[v] for v in app.results)
     ]
     while work:
         a = work.pop()
@@ -740,7 +753,7 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
     dims, origins = prop.state.dims, prop.state.origins
     producer: dict[int, int] = {}
     for a, app in enumerate(graph.apps):
-        for v in app.results if app.kind != "tie" else ():
+        for v in app.results if app.kind is not AppKind.TIE else ():
             producer.setdefault(v, a)
     state_out = {graph.out_vids[o] for _, o in graph.ties}
     # values some other result depends on: the computation's, never touched
@@ -773,7 +786,9 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
             for d, axes in enumerate(layout):
                 if axes is not None and dims[v][d] != axes:
                     dims[v][d] = axes
-                    origins[v][d] = Origin("hint", f"{pin.source}, its update", rank=STORAGE_RANK)
+                    origins[v][d] = Origin(
+                        OriginKind.HINT, f"{pin.source}, its update", rank=STORAGE_RANK
+                    )
             work.extend(zip(app.operands, _operand_layouts(app, v, layout)))
 
 
@@ -938,11 +953,11 @@ def _app_cost(prop: Propagator, a: int, runs: int, reduce_scatter: bool) -> tupl
         )
         for step in steps:
             if prop.cost_model is None:
-                total += step.bytes * runs
+                total += step.ring_bytes * runs
             else:
-                total += prop.cost_model.collective_time(step.axes, step.bytes) * runs
+                total += prop.cost_model.collective_time(step.axes, step.ring_bytes) * runs
             if step.kind in ("all-gather", "all-to-all"):
-                gathered += step.bytes * runs
+                gathered += step.ring_bytes * runs
     return total, gathered
 
 

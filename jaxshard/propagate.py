@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import StrEnum
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -61,11 +62,19 @@ class ConflictKey(NamedTuple):
     dim: int = -1  # ...and the dim
 
 
+class OriginKind(StrEnum):
+    """Where a dim's sharding came from."""
+
+    HINT = "hint"  # a pin: a hint, an annotation, a storage layout
+    PROPAGATED = "propagated"  # through an application, from another value's dim
+    DEFAULT = "default"  # nothing reached it: replicated (or a size-1 dim)
+
+
 class Origin(NamedTuple):
     """Why a dim has its sharding: a hint, propagation through an app, or a default.
     (A named tuple: one is made per propagated dim, so it must be cheap to create.)"""
 
-    kind: str  # "hint" | "propagated" | "default"
+    kind: OriginKind
     text: str = ""
     app: int = -1  # for "propagated": the application it came through
     source: int = -1  # for "propagated": the value it came from
@@ -146,7 +155,7 @@ class Propagator:
         self.cost_model = cost_model
         dims = [[() if s == 1 else None for s in shape] for shape in graph.shapes]
         origins: list[list[Origin | None]] = [
-            [Origin("default", "size-1 dim") if s == 1 else None for s in shape]
+            [Origin(OriginKind.DEFAULT, "size-1 dim") if s == 1 else None for s in shape]
             for shape in graph.shapes
         ]
         self.state = State(dims, origins)
@@ -231,12 +240,14 @@ class Propagator:
         for d, value in enumerate(pin.dims):
             if value is not None:
                 dims[d] = value
-                origins[d] = Origin("hint", pin.source, rank=rank)
+                origins[d] = Origin(OriginKind.HINT, pin.source, rank=rank)
             elif dims[d] and pinned.intersection(dims[d]):
                 # propagation reached this dim before the pin (a storage pin comes after
                 # the computation's layout): the pinned dims keep their axes
                 dims[d] = tuple(ax for ax in dims[d] if ax not in pinned)
-                origins[d] = Origin("hint", f"{pin.source} (its axes removed here)", rank=rank)
+                origins[d] = Origin(
+                    OriginKind.HINT, f"{pin.source} (its axes removed here)", rank=rank
+                )
         self._enqueue(self.uses[vid])
 
     def default(self, vids: Iterable[int], text: str) -> None:
@@ -247,7 +258,7 @@ class Propagator:
             for d, value in enumerate(dims):
                 if value is None:
                     dims[d] = ()
-                    self.state.origins[vid][d] = Origin("default", text)
+                    self.state.origins[vid][d] = Origin(OriginKind.DEFAULT, text)
                     touched = True
             if touched:
                 self._enqueue(self.uses[vid])
@@ -330,7 +341,7 @@ class Propagator:
         _, app, src, src_dim, _ = proposal
         root = self.state.origins[src][src_dim] if src >= 0 else None
         return Origin(
-            "propagated",
+            OriginKind.PROPAGATED,
             app=app,
             source=src,
             source_dim=src_dim,
@@ -609,8 +620,8 @@ class Propagator:
         shape, dtype, sizes = self.graph.shapes[vid], self.graph.dtypes[vid], self.axis_sizes
         steps = reshard_collectives(shape, dtype, src, dst, sizes, partial)
         if self.cost_model is None:
-            return sum(s.bytes for s in steps) + 0.0
-        return sum(self.cost_model.collective_time(s.axes, s.bytes) for s in steps)
+            return sum(s.ring_bytes for s in steps) + 0.0
+        return sum(self.cost_model.collective_time(s.axes, s.ring_bytes) for s in steps)
 
     def _shown(self, cost: float) -> str:
         return f"{cost:.0f} B" if self.cost_model is None else f"{cost * 1e6:.2f} µs"

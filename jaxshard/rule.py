@@ -16,7 +16,8 @@ import enum
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from enum import StrEnum
+from typing import Any, NamedTuple
 
 from jax.extend.core import Jaxpr, JaxprEqn, Primitive
 
@@ -176,24 +177,47 @@ def identity_rule(shape: Sequence[int], n: int = 2) -> Rule:
 # --- regions: how higher-order primitives link inner jaxprs -------------------------
 
 
+class Side(StrEnum):
+    """Which values of an equation or jaxpr a `Port` indexes."""
+
+    IN = "in"  # operands (a jaxpr's inputs)
+    OUT = "out"  # results (a jaxpr's outputs)
+
+
+class Port(NamedTuple):
+    """One value of an equation or a jaxpr: its side and index.
+
+    Example:
+        >>> str(Port(Side.IN, 2))
+        'in[2]'
+    """
+
+    side: Side
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.side.value}[{self.index}]"
+
+
 @dataclass(frozen=True)
 class Link:
-    """Ties an outer value (``("in"|"out", index)`` of the equation) to an inner one.
+    """Ties an outer value (a `Port` of the equation) to an inner one (a `Port` of the
+    region's jaxpr).
 
     ``rule`` has the outer value as its operand and the inner value as its result;
     ``None`` means identity.
     """
 
-    outer: tuple[str, int]
-    inner: tuple[str, int]
+    outer: Port
+    inner: Port
     rule: Rule | None = None
 
 
 @dataclass(frozen=True)
 class Region:
-    """An inner jaxpr of a higher-order equation, with how its values meet the outer ones.
+    r"""An inner jaxpr of a higher-order equation, with how its values meet the outer ones.
 
-    ``ties`` lists groups of inner values (``("in"|"out", index)``) that must share one
+    ``ties`` lists groups of inner values (`Port`\ s) that must share one
     sharding, e.g. a loop carry's body input and body output. ``param`` names the
     equation parameter holding this region's jaxpr (``index`` its position when the
     parameter is a tuple, like ``cond``'s branches): lowering rewrites it with

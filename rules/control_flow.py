@@ -14,7 +14,16 @@ from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 
 from jaxshard.jax_compat import scan_counts
-from jaxshard.rule import FactorKind, Link, Region, Rule, RuleBuilder, register_region
+from jaxshard.rule import (
+    FactorKind,
+    Link,
+    Port,
+    Region,
+    Rule,
+    RuleBuilder,
+    Side,
+    register_region,
+)
 
 
 def stacked_rule(stacked_shape: tuple[int, ...]) -> Rule:
@@ -44,18 +53,24 @@ def scan_region(eqn: JaxprEqn) -> list[Region]:
         >>> f = lambda c, xs: jax.lax.scan(lambda c, x: (c + x, c * x), c, xs)
         >>> eqn = jax.make_jaxpr(f)(jnp.ones(3), jnp.ones((5, 3))).eqns[0]
         >>> region, = scan_region(eqn)
-        >>> region.ties
-        ((('in', 0), ('out', 0)),)
+        >>> [[str(port) for port in group] for group in region.ties]
+        [['in[0]', 'out[0]']]
     """
     nc, ncar = scan_counts(eqn.params)
     jaxpr, consts = _closed(eqn.params["jaxpr"])
-    links = [Link(("in", i), ("in", i)) for i in range(nc + ncar)]
-    links += [Link(("out", j), ("out", j)) for j in range(ncar)]
+    links = [Link(Port(Side.IN, i), Port(Side.IN, i)) for i in range(nc + ncar)]
+    links += [Link(Port(Side.OUT, j), Port(Side.OUT, j)) for j in range(ncar)]
     for i in range(nc + ncar, len(eqn.invars)):
-        links.append(Link(("in", i), ("in", i), stacked_rule(tuple(eqn.invars[i].aval.shape))))
+        links.append(
+            Link(Port(Side.IN, i), Port(Side.IN, i), stacked_rule(tuple(eqn.invars[i].aval.shape)))
+        )
     for j in range(ncar, len(eqn.outvars)):
-        links.append(Link(("out", j), ("out", j), stacked_rule(tuple(eqn.outvars[j].aval.shape))))
-    ties = tuple((("in", nc + j), ("out", j)) for j in range(ncar))
+        links.append(
+            Link(
+                Port(Side.OUT, j), Port(Side.OUT, j), stacked_rule(tuple(eqn.outvars[j].aval.shape))
+            )
+        )
+    ties = tuple((Port(Side.IN, nc + j), Port(Side.OUT, j)) for j in range(ncar))
     return [Region(jaxpr, consts, tuple(links), ties, param="jaxpr")]
 
 
@@ -74,12 +89,12 @@ def while_region(eqn: JaxprEqn) -> list[Region]:
     ncar = len(eqn.invars) - cn - bn
     cond_jaxpr, cond_consts = _closed(eqn.params["cond_jaxpr"])
     body_jaxpr, body_consts = _closed(eqn.params["body_jaxpr"])
-    cond_links = [Link(("in", i), ("in", i)) for i in range(cn)]
-    cond_links += [Link(("in", cn + bn + j), ("in", cn + j)) for j in range(ncar)]
-    body_links = [Link(("in", cn + i), ("in", i)) for i in range(bn)]
-    body_links += [Link(("in", cn + bn + j), ("in", bn + j)) for j in range(ncar)]
-    body_links += [Link(("out", j), ("out", j)) for j in range(ncar)]
-    ties = tuple((("in", bn + j), ("out", j)) for j in range(ncar))
+    cond_links = [Link(Port(Side.IN, i), Port(Side.IN, i)) for i in range(cn)]
+    cond_links += [Link(Port(Side.IN, cn + bn + j), Port(Side.IN, cn + j)) for j in range(ncar)]
+    body_links = [Link(Port(Side.IN, cn + i), Port(Side.IN, i)) for i in range(bn)]
+    body_links += [Link(Port(Side.IN, cn + bn + j), Port(Side.IN, bn + j)) for j in range(ncar)]
+    body_links += [Link(Port(Side.OUT, j), Port(Side.OUT, j)) for j in range(ncar)]
+    ties = tuple((Port(Side.IN, bn + j), Port(Side.OUT, j)) for j in range(ncar))
     return [
         Region(cond_jaxpr, cond_consts, tuple(cond_links), param="cond_jaxpr"),
         Region(body_jaxpr, body_consts, tuple(body_links), ties, param="body_jaxpr"),
@@ -100,7 +115,7 @@ def cond_region(eqn: JaxprEqn) -> list[Region]:
     regions = []
     for index, branch in enumerate(eqn.params["branches"]):
         jaxpr, consts = _closed(branch)
-        links = [Link(("in", i + 1), ("in", i)) for i in range(len(eqn.invars) - 1)]
-        links += [Link(("out", j), ("out", j)) for j in range(len(eqn.outvars))]
+        links = [Link(Port(Side.IN, i + 1), Port(Side.IN, i)) for i in range(len(eqn.invars) - 1)]
+        links += [Link(Port(Side.OUT, j), Port(Side.OUT, j)) for j in range(len(eqn.outvars))]
         regions.append(Region(jaxpr, consts, tuple(links), param="branches", index=index))
     return regions

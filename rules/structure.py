@@ -21,7 +21,9 @@ from jaxshard.annotate import open_unnamed
 from jaxshard.jax_compat import custom_vmap_p, linear_call_p, optional_primitives, remat_opt_p
 from jaxshard.rule import (
     Link,
+    Port,
     Region,
+    Side,
     primitive,
     register_annotation,
     register_boundary,
@@ -35,14 +37,14 @@ def call_region(eqn: JaxprEqn) -> list[Region]:
     Example:
         >>> import jax, jax.numpy as jnp
         >>> eqn = jax.make_jaxpr(jax.jit(jnp.sin))(jnp.ones(3)).eqns[0]
-        >>> [link.outer for link in call_region(eqn)[0].links]
-        [('in', 0), ('out', 0)]
+        >>> [str(link.outer) for link in call_region(eqn)[0].links]
+        ['in[0]', 'out[0]']
     """
     params = eqn.params
     inner = params.get("jaxpr", params.get("call_jaxpr"))
     jaxpr, consts = (inner.jaxpr, tuple(inner.consts)) if hasattr(inner, "consts") else (inner, ())
-    links = [Link(("in", i), ("in", i)) for i in range(len(eqn.invars))]
-    links += [Link(("out", i), ("out", i)) for i in range(len(eqn.outvars))]
+    links = [Link(Port(Side.IN, i), Port(Side.IN, i)) for i in range(len(eqn.invars))]
+    links += [Link(Port(Side.OUT, i), Port(Side.OUT, i)) for i in range(len(eqn.outvars))]
     return [
         Region(jaxpr, consts, tuple(links), param="jaxpr" if "jaxpr" in params else "call_jaxpr")
     ]
@@ -73,8 +75,8 @@ def linear_call_region(eqn: JaxprEqn) -> list[Region]:
         >>> f = lambda x: linear_call(lambda r, x: x * r, lambda r, t: t * r, 2.0, x)
         >>> eqn = jax.make_jaxpr(f)(jnp.ones(3)).eqns[0]
         >>> region, = linear_call_region(eqn)
-        >>> region.param, [link.outer for link in region.links]
-        ('callee', [('in', 0), ('in', 1), ('out', 0)])
+        >>> region.param, [str(link.outer) for link in region.links]
+        ('callee', ['in[0]', 'in[1]', 'out[0]'])
     """
     return _positional_region(eqn, "callee")
 
@@ -117,8 +119,8 @@ def custom_vmap_region(eqn: JaxprEqn) -> list[Region]:
 
 def _positional_region(eqn: JaxprEqn, param: str) -> list[Region]:
     inner = eqn.params[param]
-    links = [Link(("in", i), ("in", i)) for i in range(len(eqn.invars))]
-    links += [Link(("out", i), ("out", i)) for i in range(len(eqn.outvars))]
+    links = [Link(Port(Side.IN, i), Port(Side.IN, i)) for i in range(len(eqn.invars))]
+    links += [Link(Port(Side.OUT, i), Port(Side.OUT, i)) for i in range(len(eqn.outvars))]
     return [Region(inner.jaxpr, tuple(inner.consts), tuple(links), param=param)]
 
 

@@ -31,7 +31,7 @@ def test_forward_column_then_row_parallel(mesh):
 def test_backward_from_result_hint(mesh):
     plan = make_plan(lambda x, w: x @ w, (X, W1), {}, mesh, {"out": P("data", "model")})
     assert plan.in_specs == (P("data"), P(None, "model"))
-    assert plan.reshards == []
+    assert plan.reshards == ()
 
 
 def test_hint_inside_function(mesh):
@@ -115,7 +115,7 @@ def test_reshape_propagates_through_compound_dims(mesh, shape, spec):
     # data (2) divides the major factor 6 of the merged dim; model (4) on the minor
     # factor 12 cannot pass to dim 0 of the result and is reported as a reshard.
     if spec == P("data"):
-        assert plan.out_specs == P("data") and plan.reshards == []
+        assert plan.out_specs == P("data") and plan.reshards == ()
     else:
         assert plan.out_specs == P()
         (r,) = plan.reshards

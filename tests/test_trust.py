@@ -257,3 +257,42 @@ def test_a_reduction_computed_twice_is_predicted_twice(mesh):
     plan = jaxshard.make_plan(jax.grad(f), args, {}, mesh, {"x": P("data"), "w": P(None, "model")})
     result = plan.verify()
     assert result.ok, result.surprises
+
+
+def test_internal_records_say_what_they_are(mesh):
+    # kinds are enums, places are named records, ring volumes are called ring_bytes
+    from jaxshard.cost import CostModel
+    from jaxshard.graph import AppKind
+    from jaxshard.propagate import OriginKind
+    from jaxshard.rule import Port, Side
+    from jaxshard.search import search_hints
+    from jaxshard.search.problem import Extra, Fixed, Problem, Scope
+
+    def f(ws, x):
+        return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0].sum()
+
+    args = (jnp.ones((2, 16, 16)), jnp.ones((8, 16)))
+    plan = jaxshard.make_plan(jax.grad(f), args, {}, mesh, {"x": P("data")})
+    g = plan.graph
+    assert {type(app.kind) for app in g.apps} == {AppKind}
+    assert {app.kind for app in g.apps} >= {AppKind.EQN, AppKind.LINK}
+    assert {type(o.kind) for row in plan.origins for o in row if o is not None} == {OriginKind}
+    from jaxshard.rule import region_fn_for
+
+    scan = next(
+        app.eqn for app in g.apps if app.eqn is not None and app.eqn.primitive.name == "scan"
+    )
+    (region,) = region_fn_for(scan.primitive)(scan)
+    assert all(type(link.outer) is Port and type(link.outer.side) is Side for link in region.links)
+    assert all(hasattr(r, "ring_bytes") and not hasattr(r, "bytes") for r in plan.reshards)
+    assert all(hasattr(s, "ring_bytes") for r in plan.reshards for s in r.steps)
+    from jaxshard.plan import trace_graph
+
+    traced, graph = trace_graph(jax.grad(f), args, {}, mesh)
+    problem = Problem(traced, graph, mesh, {"x": P("data")}, CostModel(), 2**20)
+    refs = [r for v in range(len(graph.shapes)) for r in problem.refs(v)]
+    assert all(type(r) in (int, Fixed) for r in refs)
+    extras = [c for d in problem.decisions for c in d.candidates if isinstance(c, Extra)]
+    assert all(type(c.scope) is Scope for c in extras)
+    result = search_hints(jax.grad(f), args, {}, mesh, {"x": P("data")}, memory_budget=2**20)
+    assert result.plan is not None

@@ -148,13 +148,13 @@ def search_hints(
                     if strict and memory.total > target:
                         raise_over_budget(problem, memory_budget, memory, plan)
                     status = "the smallest-memory layout: the model put every layout over budget"
-                    return plan, memory, choice, False, status
+                    return Settled(plan, memory, choice, False, status)
                 plan, memory = propagated(choice)
                 say(f"propagated: {human_bytes(step_bytes(plan))} of collectives, "
                     f"{human_bytes(memory.total)} of memory per device "
                     f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
                 if target is None or memory.total <= target:
-                    return plan, memory, choice, optimal, status
+                    return Settled(plan, memory, choice, optimal, status)
                 if not optimal:
                     # the time limit stopped the solver over the budget: a budget is a
                     # promise, so the layout of least memory instead (a smaller problem,
@@ -166,10 +166,10 @@ def search_hints(
                     memory, plan, choice = min(tried, key=lambda t: t[0].total)
                     if memory.total <= target:
                         status += "; over the budget, so the smallest-memory layout instead"
-                        return plan, memory, choice, False, status
+                        return Settled(plan, memory, choice, False, status)
                     if strict:
                         raise_over_budget(problem, memory_budget, memory, plan)
-                    return plan, memory, choice, False, "the smallest-memory layout found"
+                    return Settled(plan, memory, choice, False, "the smallest-memory layout found")
                 modeled = problem.memory(choice).total
                 problem.budget *= min(modeled / memory.total, 0.999)
                 say(f"propagation needs {human_bytes(memory.total)}, the model said "
@@ -178,7 +178,7 @@ def search_hints(
             memory, plan, choice = min(tried, key=lambda t: t[0].total)
             if strict:
                 raise_over_budget(problem, memory_budget, memory, plan)
-            return plan, memory, choice, False, "the smallest-memory layout found"
+            return Settled(plan, memory, choice, False, "the smallest-memory layout found")
 
         calibrate = calibrate_memory and memory_budget is not None
         # a budget the estimate puts out of reach may still fit once compiled
@@ -186,7 +186,7 @@ def search_hints(
         compiled = None
         if calibrate:
             plan, memory, choice, optimal, status, compiled = _calibrated(
-                problem, memory_budget, settle, (plan, memory, choice, optimal, status), say
+                problem, memory_budget, settle, Settled(plan, memory, choice, optimal, status), say
             )
     seconds = time.perf_counter() - t0
     if not optimal:
@@ -212,6 +212,17 @@ COMPILES = 4  # the most compiles `calibrate_memory` makes
 RESCUE_SECONDS = 5.0
 
 
+class Settled(NamedTuple):
+    """What one solve found, propagated: the plan, its memory estimate, the choice per
+    decision, whether the solver proved it optimal, and the solver's status."""
+
+    plan: Plan
+    memory: MemoryEstimate
+    choice: dict[int, int]
+    optimal: bool
+    status: str
+
+
 class _Checked(NamedTuple):
     """A plan `_calibrated` compiled: what `settle` found, and its compiled memory."""
 
@@ -223,7 +234,7 @@ class _Checked(NamedTuple):
     compiled: int
 
 
-def _calibrated(problem, budget: float, settle, first: tuple, say) -> _Checked:
+def _calibrated(problem, budget: float, settle, first: Settled, say) -> _Checked:
     """Check the searched plan against its compiled program and search again with the
     budget rescaled by the compiled program's memory over the estimate (``COMPILES`` at
     most): the estimate misses XLA's fusion and buffer reuse by some percent either way,
@@ -232,20 +243,20 @@ def _calibrated(problem, budget: float, settle, first: tuple, say) -> _Checked:
     found = first
     checked: list[_Checked] = []
     for attempt in range(COMPILES):
-        compiled = compiled_memory(Lowered(found[0]).lower().compile())
+        compiled = compiled_memory(Lowered(found.plan).lower().compile())
         checked.append(_Checked(*found, compiled))
         say(f"compiled: {human_bytes(compiled)} per device, estimated "
-            f"{human_bytes(found[1].total)}, budget {human_bytes(budget)}")  # fmt: skip
+            f"{human_bytes(found.memory.total)}, budget {human_bytes(budget)}")  # fmt: skip
         if attempt == COMPILES - 1:
             break
         problem.budget = _next_target([(c.memory.total, c.compiled) for c in checked], budget)
         found = settle(problem.budget, strict=False)
         # the same hints (choices differing only in decisions no leaf shows plan alike),
         # or an unproven layout the estimate already puts over the target: not compiled
-        hints = problem.hints_for(found[2])
+        hints = problem.hints_for(found.choice)
         if any(hints == problem.hints_for(c.choice) for c in checked):
             break
-        if not found[3] and found[1].total > problem.budget:
+        if not found.optimal and found.memory.total > problem.budget:
             break
     fits = [c for c in checked if c.compiled <= budget]
     if not fits:

@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from jaxshard.cost import Liveness, MemoryEstimate, memory_estimate, nbytes, per_device_bytes
+from jaxshard.graph import AppKind
 from jaxshard.rule import FactorKind
 
 
@@ -33,7 +34,7 @@ def fused_liveness(graph, live: Liveness, extend: bool = True) -> Liveness:
     producer: dict[int, int] = {}
     readers: dict[int, list[int]] = {}
     for a, app in enumerate(graph.apps):
-        if app.kind != "eqn":
+        if app.kind is not AppKind.EQN:
             continue
         for v in app.results:
             producer.setdefault(owner[v], a)
@@ -47,7 +48,7 @@ def fused_liveness(graph, live: Liveness, extend: bool = True) -> Liveness:
             app = graph.apps[a]
             shape = graph.shapes[app.results[0]] if app.results else None
             hit = elementwise[a] = (
-                app.kind == "eqn"
+                app.kind is AppKind.EQN
                 and all(f.kind is FactorKind.PASS for f in app.rule.factors)
                 and all(graph.shapes[u] in (shape, ()) for u in app.operands)
             )
@@ -93,7 +94,7 @@ class MemoryModel:
             by_sig[key] = by_sig.get(key, 0) + 1
         for (refs, shape, dtype), count in by_sig.items():
             size = nbytes(shape, dtype) * count
-            free = tuple(sorted({r for r in refs if r >= 0}))
+            free = tuple(sorted({r for r in refs if type(r) is int}))
             if not free:
                 const += size / math.prod(self.sizes[a] for r in refs for a in self.axes(r, {}))
                 continue
@@ -108,7 +109,7 @@ class MemoryModel:
             if first <= t <= last:
                 k = self.leaf_group[i]
                 leaves = (*self.groups[k].owners, *self.groups[k].followers)
-                free = {r for j in leaves for r in self.refs(g.in_vids[j]) if r >= 0}
+                free = {r for j in leaves for r in self.refs(g.in_vids[j]) if type(r) is int}
                 term = self._term({*free, self.groups[k].extra})
                 row = rows.setdefault(term.decisions, np.zeros(len(term.time)))
                 for n, choice in self._combos(term):
@@ -121,13 +122,13 @@ class MemoryModel:
         total = 0.0
         for i, v in enumerate(g.in_vids):
             if i not in self.leaf_group:
-                lay = [self.axes(r, {}) if r < 0 else () for r in self.refs(v)]
+                lay = [self.axes(r, {}) if type(r) is not int else () for r in self.refs(v)]
                 shards = math.prod(self.sizes[a] for x in lay for a in x)
                 total += self._leaf_bytes(i) / shards
         tied_out = {o for _, o in g.ties}
         for o, v in enumerate(g.out_vids):
             if o not in tied_out:
-                lay = [self.axes(r, {}) if r < 0 else () for r in self.refs(v)]
+                lay = [self.axes(r, {}) if type(r) is not int else () for r in self.refs(v)]
                 total += nbytes(g.shapes[v], g.dtypes[v]) / math.prod(
                     self.sizes[a] for x in lay for a in x
                 )

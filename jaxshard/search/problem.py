@@ -10,7 +10,8 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from enum import StrEnum
+from typing import Any, NamedTuple
 
 import numpy as np
 from jax.sharding import PartitionSpec
@@ -26,7 +27,7 @@ from jaxshard.cost import (
     ring_bytes,
     step_bytes,
 )
-from jaxshard.graph import find_root
+from jaxshard.graph import AppKind, find_root
 from jaxshard.lattice import Axes, spec_entry, to_spec
 from jaxshard.plan import (
     contracts,
@@ -42,11 +43,36 @@ _LAYER_INDEX = re.compile(r"(?<=/)\d+(?=/|$)")
 US = 1e6  # the objective is in microseconds
 MEMORY_TIEBREAK = 1e-9  # objective units per byte: 1 GB of memory weighs 1 µs
 _EXTRA_TIEBREAK = 1e-2  # µs per leaf stored with an extra axis
-# What an extra storage axis holds: the optimizer state alone (ZeRO-1), or the parameter
-# with its state (FSDP). An FSDP parameter's gathered copy is counted alive from its first
-# use to its last (XLA keeps it through the backward pass), and planning takes the
-# search's storage decision as it is (`jaxshard.plan.plan_from_graph`'s ``storage``).
-_SCOPES = ("state", "all")
+
+
+class Fixed(NamedTuple):
+    """A dim class the pins lay out (``axes``), which no decision chooses."""
+
+    axes: Axes
+
+
+# a dim class's reference: its decision's index, or the axes pins fix
+Ref = int | Fixed
+UNSPLIT = Fixed(())  # a dim of size 1
+
+
+class Scope(StrEnum):
+    """What an extra storage axis holds: the optimizer state alone (ZeRO-1), or the
+    parameter with its state (FSDP). An FSDP parameter's gathered copy is counted alive
+    from its first use to its last (XLA keeps it through the backward pass), and planning
+    takes the search's storage decision as it is (`jaxshard.plan.plan_from_graph`'s
+    ``storage``)."""
+
+    STATE = "state"
+    ALL = "all"
+
+
+class Extra(NamedTuple):
+    """A group's extra storage axes: on dim ``dim`` of its leaves, holding ``scope``."""
+
+    dim: int
+    axes: Axes
+    scope: Scope
 
 
 @dataclass
@@ -54,7 +80,7 @@ class Decision:
     """One choice of the integer program: a dim class's axes, or a group's extra axis."""
 
     name: str
-    candidates: list[Any]  # Axes for a class; None or (dim, axis, scope) for an extra
+    candidates: list[Any]  # Axes for a class; None or an `Extra` for an extra axis
 
 
 @dataclass
@@ -140,7 +166,7 @@ class Problem(MemoryModel):
         self._pins(hints)
         self._readers: dict[int, list[int]] = {}
         for a, app in enumerate(graph.apps):
-            if a not in self.dead and app.kind == "eqn":
+            if a not in self.dead and app.kind is AppKind.EQN:
                 for u in app.operands:
                     self._readers.setdefault(u, []).append(a)
         self._classes()
@@ -300,18 +326,12 @@ class Problem(MemoryModel):
                 if axes is not None and g.shapes[v][d] > 1:
                     pinned.setdefault(self._key(v, d), axes)
         self.decisions: list[Decision] = []
-        self.fixed: list[Axes] = [()]
-        fixed_index = {(): 0}
         by_members: dict[frozenset, int] = {}
         divides: dict[int, int] = {}  # per decision: gcd of its classes' sizes
-        self.ref: dict[int, int] = {}  # class -> decision (>= 0) or -1 - fixed index
+        self.ref: dict[int, Ref] = {}  # class -> its decision, or the axes pins fix
         for k in sorted(set(self.root)):
             if k in pinned:
-                axes = pinned[k]
-                j = fixed_index.setdefault(axes, len(self.fixed))
-                if j == len(self.fixed):
-                    self.fixed.append(axes)
-                self.ref[k] = -1 - j
+                self.ref[k] = Fixed(pinned[k])
             elif k in members:
                 key = frozenset(members[k])
                 dec = by_members.get(key)
@@ -321,7 +341,7 @@ class Problem(MemoryModel):
                 divides[dec] = math.gcd(divides.get(dec, 0), self.class_size[k])
                 self.ref[k] = dec
             else:
-                self.ref[k] = -1
+                self.ref[k] = UNSPLIT
         # a class holding a dim of a data argument (not state the step returns: the
         # batch) may also take every mesh axis at once, major to minor (data parallel
         # over the whole mesh); for state, one axis per dim keeps the program small
@@ -355,9 +375,9 @@ class Problem(MemoryModel):
                 for d, s in enumerate(shape):
                     if not any(p is not None and p[d] is not None for p in pins):
                         cands += [
-                            (d, axes, scope) for scope in _SCOPES
-                            if (scope == "state" and grp.followers)
-                            or (scope == "all" and gatherable)
+                            Extra(d, axes, scope) for scope in Scope
+                            if (scope is Scope.STATE and grp.followers)
+                            or (scope is Scope.ALL and gatherable)
                             for axes in storage_axes
                             if s % math.prod(self.sizes[a] for a in axes) == 0
                         ]  # fmt: skip
@@ -398,8 +418,8 @@ class Problem(MemoryModel):
         extra_dec = None if k is None else self.groups[k].extra
         if extra_dec is not None:
             extra = self.decisions[extra_dec].candidates[choice[extra_dec]]
-            if extra is not None and (extra[2] == "all" or i in self.followers):
-                d, axes, _ = extra
+            if extra is not None and (extra.scope is Scope.ALL or i in self.followers):
+                d, axes = extra.dim, extra.axes
                 if lay[d] or any(a in x for x in lay for a in axes):
                     return None
                 lay[d] = axes
@@ -431,21 +451,22 @@ class Problem(MemoryModel):
             return False
         extra = self.decisions[dec].candidates[choice[dec]]
         # under FSDP the optimizer state lives and is updated like its parameter
-        return extra is not None and extra[2] == "all"
+        return extra is not None and extra.scope is Scope.ALL
 
-    def refs(self, v: int) -> tuple[int, ...]:
-        """Per dim of value ``v``: its decision (>= 0) or fixed axes (-1 - index)."""
+    def refs(self, v: int) -> tuple[Ref, ...]:
+        """Per dim of value ``v``: its decision (an index) or the axes pins fix (`Fixed`)."""
         return self.value_refs[v]
 
-    def _refs(self, v: int) -> tuple[int, ...]:
+    def _refs(self, v: int) -> tuple[Ref, ...]:
         return tuple(
-            self.ref[self._key(v, d)] if s > 1 else -1 for d, s in enumerate(self.graph.shapes[v])
+            self.ref[self._key(v, d)] if s > 1 else UNSPLIT
+            for d, s in enumerate(self.graph.shapes[v])
         )
 
-    def axes(self, ref: int, choice: Mapping[int, int]) -> Axes:
+    def axes(self, ref: Ref, choice: Mapping[int, int]) -> Axes:
         """The axes of a class reference under a choice of candidate per decision."""
-        if ref < 0:
-            return self.fixed[-1 - ref]
+        if type(ref) is Fixed:
+            return ref.axes
         return self.decisions[ref].candidates[choice[ref]]
 
     # --- joint terms -------------------------------------------------------------------
@@ -474,17 +495,17 @@ class Problem(MemoryModel):
         seen = set()
         for v in range(len(g.shapes)):
             refs = self.refs(v)
-            free = {r for r in refs if r >= 0}
+            free = {r for r in refs if type(r) is int}
             if not free or refs in seen:
                 continue
             seen.add(refs)
-            fixed_axes = [a for r in refs if r < 0 for a in self.fixed[-1 - r]]
-            if sum(r >= 0 for r in refs) < 2 and not fixed_axes:
+            fixed_axes = [a for r in refs if type(r) is Fixed for a in r.axes]
+            if sum(type(r) is int for r in refs) < 2 and not fixed_axes:
                 continue  # one decided dim and nothing else sharded: no clash possible
             term = self._term(free)
             for n, choice in self._combos(term):
                 dims = [self.axes(r, choice) for r in refs]
-                used = [a for d, r in zip(dims, refs) for a in d if r >= 0]
+                used = [a for d, r in zip(dims, refs) for a in d if type(r) is int]
                 if len(used) != len(set(used)) or set(used) & set(fixed_axes):
                     term.allowed[n] = False
 
@@ -517,7 +538,7 @@ class Problem(MemoryModel):
             else:
                 entry[1] += runs[a]
         for (_, refs, cut), (app, count) in sigs.items():
-            free = {r for rs in refs for r in rs if r >= 0}
+            free = {r for rs in refs for r in rs if type(r) is int}
             if not free:
                 t, b = self._app_cost(app, refs, {}, cut)
                 self.constant_time += count * t
@@ -571,7 +592,7 @@ class Problem(MemoryModel):
             if rule.factors[f].kind is FactorKind.NEED_REPLICATION and any(
                 a in other for h, other in factor_axes.items() if h != f for a in axes
             ):
-                decided = any(r >= 0 for rs in refs for r in rs)
+                decided = any(type(r) is int for rs in refs for r in rs)
                 if decided:
                     return None
         partial = PartialSum(
@@ -596,7 +617,7 @@ class Problem(MemoryModel):
                 )
             elif t < n_ops and work != list(layouts[t]):
                 steps += reshard_collectives(g.shapes[v], g.dtypes[v], layouts[t], work, self.sizes)
-        seconds = sum(self.cost_model.collective_time(s.axes, s.bytes) for s in steps)
+        seconds = sum(self.cost_model.collective_time(s.axes, s.ring_bytes) for s in steps)
         if self.cost_model.flops:
             flops = 2 * math.prod(f.size for f in rule.factors)
             split = math.prod(self.sizes[a] for axes in factor_axes.values() for a in axes)
@@ -626,7 +647,7 @@ class Problem(MemoryModel):
         for grp in self.groups:
             leaves = (*grp.owners, *grp.followers)
             refs = {i: self.refs(g.in_vids[i]) for i in leaves}
-            free = {r for rs in refs.values() for r in rs if r >= 0}
+            free = {r for rs in refs.values() for r in rs if type(r) is int}
             if grp.extra is not None:
                 free.add(grp.extra)
             uses = {i: len(self._uses(g.in_vids[i])) for i in grp.owners}
@@ -653,14 +674,14 @@ class Problem(MemoryModel):
                     term.bias[n] += _EXTRA_TIEBREAK  # on ties, prefer layouts without
                     # the parameter is all-gathered over the extra axis: at each use when
                     # it is stored sharded, once after the update when only its state is
-                    gathers = uses[i] if extra[2] == "all" else 1
-                    n_axis = math.prod(self.sizes[a] for a in extra[1])
+                    gathers = uses[i] if extra.scope is Scope.ALL else 1
+                    n_axis = math.prod(self.sizes[a] for a in extra.axes)
                     local = self._leaf_bytes(i) / (2 if i in self.tied else 1) / shards
-                    if extra[2] == "all":
+                    if extra.scope is Scope.ALL:
                         local *= n_axis
                     b = ring_bytes("all-gather", n_axis, local)
                     term.bytes[n] += gathers * b
-                    term.time[n] += gathers * US * self.cost_model.collective_time(extra[1], b)
+                    term.time[n] += gathers * US * self.cost_model.collective_time(extra.axes, b)
 
     def baseline(self) -> dict[int, int]:
         return {d: 0 for d in range(len(self.decisions))}
@@ -690,7 +711,7 @@ class Problem(MemoryModel):
                 # put "tensor" on both the embed and the MLP dims a weight joins): left to
                 # propagation, whose conflict policy decides them
                 for d, r in enumerate(refs):
-                    if r < 0 and lay[d]:
+                    if type(r) is Fixed and lay[d]:
                         entries[d] = PartitionSpec.UNCONSTRAINED
             key = ExactPath(self.traced.in_names[i], "jaxshard search")
             out[key] = PartitionSpec(*entries)
