@@ -21,6 +21,7 @@ from jax.extend.core import Literal
 
 from jaxshard.graph import AppKind, find_root
 from jaxshard.lattice import DimSharding
+from jaxshard.rule import FactorKind
 
 
 def human_bytes(n: float, digits: int = 1) -> str:
@@ -570,6 +571,9 @@ class Liveness:
     start: np.ndarray
     end: np.ndarray
     intermediates: np.ndarray
+    # a loop's stacked input or result (owner) -> the per-iteration value its link slices
+    # it into: while the loop runs, XLA holds the stack in that value's layout
+    stacked: Mapping[int, int] = field(default_factory=dict)
 
 
 def liveness(graph, skip: Iterable[int] = ()) -> Liveness:
@@ -600,8 +604,25 @@ def liveness(graph, skip: Iterable[int] = ()) -> Liveness:
     big = len(graph.apps) + 1
     start = np.full(n, big, dtype=np.int64)
     end = np.full(n, -1, dtype=np.int64)
+    stacked: dict[int, int] = {}
     for a, app in enumerate(graph.apps):
-        if a in skip or app.kind is not AppKind.EQN:
+        if a in skip or app.kind is AppKind.TIE:
+            continue
+        if app.kind is AppKind.LINK:
+            for v, r in zip(app.operands, app.results):
+                if len(graph.shapes[v]) == len(graph.shapes[r]) + 1:
+                    stacked[owner[v]] = r
+            # a link's operand is the outer value of a loop or call, linked after the body:
+            # a stacked result (the residuals a scan saves for the backward pass, a
+            # scanned gradient) is allocated when the loop starts and filled as it runs,
+            # and a stacked input the loop reads is alive until it ends
+            first = getattr(graph, "link_body", {}).get(a, a)
+            for v in app.operands:
+                o = owner[v]
+                if start[o] == big:
+                    start[o] = first
+                if a > end[o]:
+                    end[o] = a
             continue
         for v in app.results:
             o = owner[v]
@@ -620,7 +641,7 @@ def liveness(graph, skip: Iterable[int] = ()) -> Liveness:
     end = np.maximum(end, start)  # a result nothing reads lives at its own equation
     start = np.where(keep, start, -1)
     end = np.where(keep, end, -1)
-    return Liveness(owner, start, end, np.flatnonzero(keep))
+    return Liveness(owner, start, end, np.flatnonzero(keep), stacked)
 
 
 # calls XLA inlines before its common-subexpression pass; every other enclosing equation
@@ -718,6 +739,65 @@ class MemoryEstimate:
         return self.arguments + self.results + self.activations
 
 
+def fused_liveness(graph, live: Liveness, extend: bool = True) -> Liveness:
+    """``live`` less the buffers XLA's fusion never makes: a value an elementwise
+    equation computes and only elementwise equations read is recomputed inside its
+    readers' fusions, not stored (the backward pass reads such residuals of the
+    forward's elementwise chains, say a layer norm's centred input, from their
+    operands). With ``extend`` those operands stay alive until the fused value's last
+    reader, as the recomputation needs them.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.cost import liveness
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> g = build_graph(trace(lambda x: jnp.sum(jnp.sin(jnp.cos(x)) * 2), (jnp.ones(4),), {}), {})
+        >>> len(liveness(g).intermediates), len(fused_liveness(g, liveness(g)).intermediates)
+        (3, 1)
+    """
+    owner = live.owner
+    producer: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    for a, app in enumerate(graph.apps):
+        if app.kind is not AppKind.EQN:
+            continue
+        for v in app.results:
+            producer.setdefault(owner[v], a)
+        for v in app.operands:
+            readers.setdefault(owner[v], []).append(a)
+    elementwise: dict[int, bool] = {}
+
+    def is_elementwise(a: int) -> bool:
+        hit = elementwise.get(a)
+        if hit is None:
+            app = graph.apps[a]
+            shape = graph.shapes[app.results[0]] if app.results else None
+            hit = elementwise[a] = (
+                app.kind is AppKind.EQN
+                and all(f.kind is FactorKind.PASS for f in app.rule.factors)
+                and all(graph.shapes[u] in (shape, ()) for u in app.operands)
+            )
+        return hit
+
+    fused = [
+        int(v) for v in live.intermediates
+        if int(v) in producer and is_elementwise(producer[int(v)])
+        and all(is_elementwise(r) for r in readers.get(int(v), ()))
+    ]  # fmt: skip
+    if not fused:
+        return live
+    end = live.end.copy()
+    if extend:  # later fused values first: their operands may be fused values too
+        for v in sorted(fused, key=lambda v: -producer[v]):
+            for u in graph.apps[producer[v]].operands:
+                o = owner[u]
+                if end[o] >= 0 and end[v] > end[o]:
+                    end[o] = end[v]
+    kept = np.setdiff1d(live.intermediates, np.array(fused, dtype=np.int64))
+    return Liveness(owner, live.start, end, kept, live.stacked)
+
+
 def memory_estimate(
     graph,
     dims: Sequence[Sequence[DimSharding]],
@@ -757,18 +837,74 @@ def memory_estimate(
     if not len(live.intermediates) or not n_apps:
         return MemoryEstimate(args, results, 0, -1)
     sizes = np.array(
-        [
-            per_device_bytes(graph.shapes[v], graph.dtypes[v], dims[v], axis_sizes)
-            for v in live.intermediates
-        ],
+        [buffer_bytes(graph, v, dims, axis_sizes, live) for v in live.intermediates],
         dtype=np.int64,
     )
+    # a loop's stacked result that an elementwise update turns into a step result of the
+    # same per-device size (a scanned gradient and its parameter's new value) is filled
+    # in that result's buffer: XLA shares an output's buffer with what computes it
+    for i, v in enumerate(live.intermediates):
+        if (
+            int(v) in live.stacked
+            and sizes[i]
+            and _fills_a_result(graph, int(v), int(sizes[i]), dims, out_dims, axis_sizes)
+        ):
+            sizes[i] = 0
     delta = np.zeros(n_apps + 1, dtype=np.int64)
     np.add.at(delta, live.start[live.intermediates], sizes)
     np.add.at(delta, live.end[live.intermediates] + 1, -sizes)
     curve = np.cumsum(delta)[:n_apps]
     peak = int(np.argmax(curve))
     return MemoryEstimate(args, results, int(curve[peak]), peak)
+
+
+def _fills_a_result(graph, v: int, size: int, dims, out_dims, axis_sizes) -> bool:
+    """Whether a result of per-device ``size`` bytes is computed from value ``v`` by
+    equations that keep its shape and treat each element alone."""
+    shape = graph.shapes[v]
+    results = {
+        r: per_device_bytes(graph.shapes[r], graph.dtypes[r], d, axis_sizes)
+        for r, d in zip(graph.out_vids, out_dims)
+        if graph.shapes[r] == shape
+    }
+    if size not in results.values():
+        return False
+    uses = graph.uses()
+    seen, frontier = {v}, [v]
+    while frontier:
+        u = frontier.pop()
+        if results.get(u) == size:
+            return True
+        for a in uses[u]:
+            app = graph.apps[a]
+            if u not in app.operands or app.kind is not AppKind.EQN:
+                continue
+            if any(f.kind is not FactorKind.PASS for f in app.rule.factors):
+                continue
+            for r in app.results:
+                if r not in seen and graph.shapes[r] == shape:
+                    seen.add(r)
+                    frontier.append(r)
+    return False
+
+
+def buffer_bytes(graph, v: int, dims, axis_sizes: Mapping[str, int], live: Liveness) -> int:
+    """Per-device bytes of intermediate ``v``'s buffer: its layout's share, or for a loop's
+    stacked input or result whose per-iteration value is laid out otherwise, the larger of
+    that and the stack in the per-iteration layout (XLA fills a scan's stacked gradient in
+    the layout each iteration computes it in, and moves it to its own after the loop).
+
+    Example:
+        >>> buffer_bytes(graph, v, plan.dims, plan.axis_sizes, live)  # doctest: +SKIP
+        4294967296
+    """
+    own = per_device_bytes(graph.shapes[v], graph.dtypes[v], dims[v], axis_sizes)
+    inner = live.stacked.get(v)
+    if inner is None or dims[inner] is None:
+        return own
+    layers = graph.shapes[v][0]
+    each = per_device_bytes(graph.shapes[inner], graph.dtypes[inner], dims[inner], axis_sizes)
+    return max(own, layers * each)
 
 
 class MemoryCurve:

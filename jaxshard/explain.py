@@ -141,6 +141,7 @@ def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False
             f"{to_spec([c.chosen])} ({c.reason})"
         )
     device, total = plan.per_device_bytes()
+    memory = plan.estimated_memory
     results_device = sum(
         per_device_bytes(g.shapes[v], g.dtypes[v], d, sizes)
         for v, d in zip(g.out_vids, plan.out_dims)
@@ -150,6 +151,10 @@ def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False
         f"arguments: {human_bytes(device)} per device ({human_bytes(total)} replicated)",
         f"results: {human_bytes(results_device)} per device "
         f"({human_bytes(sum(nbytes(g.shapes[v], g.dtypes[v]) for v in g.out_vids))} replicated)",
+        f"estimated memory: {human_bytes(memory.total)} per device (arguments "
+        f"{human_bytes(memory.arguments)}, results {human_bytes(memory.results)}, peak "
+        f"intermediates {human_bytes(memory.activations)}"
+        + (f" at {g.apps[memory.peak_app].describe()})" if memory.peak_app >= 0 else ")"),
         f"predicted communication: {human_bytes(plan.predicted_bytes)} per device per call"
         + (f" ({while_note(plan)})" if plan.while_reshards else ""),
         f"predicted compute: {compute_flops(plan) / 1e9:.3g} GFLOP per device per call "

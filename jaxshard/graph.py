@@ -116,6 +116,9 @@ class Graph:
     # per jaxpr call site (the path of equation indices to it): its variables' values
     var_vids: dict[Path, dict[Any, int]] = field(default_factory=dict)
     ties: list[tuple[int, int]] = field(default_factory=list)  # (arg leaf, result leaf)
+    # a link application -> the first application of the nested jaxpr it links (its
+    # loop or call body, which the graph lists before the links)
+    link_body: dict[int, int] = field(default_factory=dict, repr=False)
     # equations propagation does not cross (shard_map): their collectives are the program's
     boundaries: list[Boundary] = field(default_factory=list)
     unknown: dict[str, str] = field(default_factory=dict)  # primitive -> first source line
@@ -460,6 +463,7 @@ def _build_regions(
 ) -> None:
     results: list[int | None] = [None] * len(eqn.outvars)
     pending: list[tuple[int, int, Rule | None]] = []  # (outer result, inner vid, rule)
+    body = len(g.apps)  # the first application of the equation's regions
     for r, region in enumerate(regions):
         inner_in: list[int | None] = [None] * len(region.jaxpr.invars)
         for link in region.links:
@@ -504,6 +508,9 @@ def _build_regions(
         if vid != results[i]:
             rule = rule or identity_rule(g.shapes[results[i]])
             g.apps.append(App(rule, (results[i],), (vid,), AppKind.LINK, eqn, where[1]))
+    for a in range(body, len(g.apps)):
+        if g.apps[a].kind is AppKind.LINK and g.apps[a].eqn is eqn:
+            g.link_body.setdefault(a, body)
 
 
 def tied_results(traced: Traced) -> list[tuple[int, int]]:

@@ -11,6 +11,7 @@ every value, the in/out specs as pytrees, and explains itself.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -26,13 +27,16 @@ from jaxshard.annotate import Pin, PinKind, match_hints, merge_pins
 from jaxshard.cost import (
     CostModel,
     MemoryCurve,
+    MemoryEstimate,
     PlannedCollective,
     WrittenCollective,
     executions,
+    fused_liveness,
     has_reduce_scatter,
     human_bytes,
     in_while_loop,
     liveness,
+    memory_estimate,
     nbytes,
     per_device_bytes,
     reshard_collectives,
@@ -315,6 +319,20 @@ class Plan:
                 device += per_device_bytes(g.shapes[vid], g.dtypes[vid], self.dims[vid], sizes)
                 total += nbytes(g.shapes[vid], g.dtypes[vid])
         return device, total
+
+    @functools.cached_property
+    def estimated_memory(self) -> MemoryEstimate:
+        """Estimated memory per device in bytes (the unit of ``memory_budget``): arguments,
+        results and the peak of live intermediates, counted as XLA's fusion and buffer
+        sharing leave them (`jaxshard.cost.memory_estimate`); ``.total`` is the figure a
+        compiled program's memory analysis (arguments + results + temporaries) gives.
+
+        Example:
+            >>> plan.estimated_memory.total  # doctest: +SKIP
+            35789824
+        """
+        live = fused_liveness(self.graph, liveness(self.graph, dead_apps(self.graph)))
+        return memory_estimate(self.graph, self.dims, self.axis_sizes, self.out_dims, live)
 
     @property
     def predicted_bytes(self) -> float:

@@ -8,68 +8,14 @@ import math
 
 import numpy as np
 
-from jaxshard.cost import Liveness, MemoryEstimate, memory_estimate, nbytes, per_device_bytes
-from jaxshard.graph import AppKind
-from jaxshard.rule import FactorKind
-
-
-def fused_liveness(graph, live: Liveness, extend: bool = True) -> Liveness:
-    """``live`` less the buffers XLA's fusion never makes: a value an elementwise
-    equation computes and only elementwise equations read is recomputed inside its
-    readers' fusions, not stored (the backward pass reads such residuals of the
-    forward's elementwise chains, say a layer norm's centred input, from their
-    operands). With ``extend`` those operands stay alive until the fused value's last
-    reader, as the recomputation needs them.
-
-    Example:
-        >>> import jax.numpy as jnp, jaxshard.rules
-        >>> from jaxshard.cost import liveness
-        >>> from jaxshard.trace import trace
-        >>> from jaxshard.graph import build_graph
-        >>> g = build_graph(trace(lambda x: jnp.sum(jnp.sin(jnp.cos(x)) * 2), (jnp.ones(4),), {}), {})
-        >>> len(liveness(g).intermediates), len(fused_liveness(g, liveness(g)).intermediates)
-        (3, 1)
-    """
-    owner = live.owner
-    producer: dict[int, int] = {}
-    readers: dict[int, list[int]] = {}
-    for a, app in enumerate(graph.apps):
-        if app.kind is not AppKind.EQN:
-            continue
-        for v in app.results:
-            producer.setdefault(owner[v], a)
-        for v in app.operands:
-            readers.setdefault(owner[v], []).append(a)
-    elementwise: dict[int, bool] = {}
-
-    def is_elementwise(a: int) -> bool:
-        hit = elementwise.get(a)
-        if hit is None:
-            app = graph.apps[a]
-            shape = graph.shapes[app.results[0]] if app.results else None
-            hit = elementwise[a] = (
-                app.kind is AppKind.EQN
-                and all(f.kind is FactorKind.PASS for f in app.rule.factors)
-                and all(graph.shapes[u] in (shape, ()) for u in app.operands)
-            )
-        return hit
-
-    fused = [
-        int(v) for v in live.intermediates
-        if int(v) in producer and is_elementwise(producer[int(v)])
-        and all(is_elementwise(r) for r in readers.get(int(v), ()))
-    ]  # fmt: skip
-    if not fused:
-        return live
-    end = live.end.copy()
-    if extend:  # later fused values first: their operands may be fused values too
-        for v in sorted(fused, key=lambda v: -producer[v]):
-            for u in graph.apps[producer[v]].operands:
-                o = owner[u]
-                if end[o] >= 0 and end[v] > end[o]:
-                    end[o] = end[v]
-    kept = np.setdiff1d(live.intermediates, np.array(fused, dtype=np.int64))
-    return Liveness(owner, live.start, end, kept)
+from jaxshard.cost import (  # noqa: F401 (fused_liveness re-exported)
+    Liveness,
+    MemoryEstimate,
+    fused_liveness,
+    memory_estimate,
+    nbytes,
+    per_device_bytes,
+)
 
 
 class MemoryModel:
