@@ -101,6 +101,10 @@ def measure(devices: int, fast: bool) -> list[dict]:
             hints = hints_for(layout, axes)
             row = {"model": shape, "layers": cfg.n_layers, "mesh": "x".join(map(str, mesh_shape)),
                    "axes": ",".join(axes), "layout": layout}  # fmt: skip
+            if layout == "fsdp-all" and batch % devices:
+                row["error"] = f"n/a: a batch of {batch} does not split over {devices} devices"
+                rows.append(row)
+                continue
             try:
                 start = time.perf_counter()
                 step = jaxshard.auto_shard(mesh, hints)(w.step)

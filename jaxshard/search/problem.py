@@ -165,10 +165,19 @@ class Problem(MemoryModel):
         self.user_budget = memory_budget
         self._pins(hints)
         self._readers: dict[int, list[int]] = {}
+        # a stacked argument -> the per-layer values scans slice it into (their uses are
+        # its uses, once per iteration)
+        self._layers: dict[int, list[int]] = {}
         for a, app in enumerate(graph.apps):
-            if a not in self.dead and app.kind is AppKind.EQN:
+            if a in self.dead:
+                continue
+            if app.kind is AppKind.EQN:
                 for u in app.operands:
                     self._readers.setdefault(u, []).append(a)
+            elif app.kind is AppKind.LINK and len(app.operands) == 1:
+                (o,), (r,) = app.operands, app.results
+                if len(graph.shapes[o]) == len(graph.shapes[r]) + 1:
+                    self._layers.setdefault(o, []).append(r)
         self._classes()
         self._groups()
         self._decide()
@@ -392,8 +401,16 @@ class Problem(MemoryModel):
         its weight; a lookup table's gradient would scatter into the storage layout)."""
         if i not in self.tied:
             return False
-        uses = self._uses(self.graph.in_vids[i])
+        uses = self._compute_uses(self.graph.in_vids[i])
         return bool(uses) and all(contracts(self.graph.apps[a]) for a in uses)
+
+    def _compute_uses(self, v: int) -> list[int]:
+        """`_uses` of argument ``v``, and for a stacked one those of the per-layer values
+        its scans read: a weight stored apart on a dim other than its layer dim is
+        gathered one layer at a time, at each use in the body (`gathered_bytes`)."""
+        return sorted(
+            [*self._uses(v), *(a for r in self._layers.get(v, ()) for a in self._uses(r))]
+        )
 
     def _leaves_of(self, members) -> list[int]:
         """The argument leaves of the groups in ``members`` ((group, dim) pairs)."""
@@ -439,7 +456,12 @@ class Problem(MemoryModel):
         if pin is not None:
             lay = [p if p is not None else x for p, x in zip(pin, lay)]
         shards = math.prod(self.sizes[a] for x in lay for a in x)
-        return nbytes(self.graph.shapes[v], self.graph.dtypes[v]) / shards
+        whole = nbytes(self.graph.shapes[v], self.graph.dtypes[v]) / shards
+        k = self.leaf_group[i]
+        extra = self.decisions[self.groups[k].extra].candidates[choice[self.groups[k].extra]]
+        if v in self._layers and extra.dim != 0:  # one layer gathered at a time
+            return whole / self.graph.shapes[v][0]
+        return whole
 
     def stored_apart(self, i: int, choice: Mapping[int, int]) -> bool:
         """Whether argument leaf ``i`` is stored on an extra axis its computation does not
@@ -650,9 +672,9 @@ class Problem(MemoryModel):
             free = {r for rs in refs.values() for r in rs if type(r) is int}
             if grp.extra is not None:
                 free.add(grp.extra)
-            uses = {i: len(self._uses(g.in_vids[i])) for i in grp.owners}
+            uses = {i: len(self._compute_uses(g.in_vids[i])) for i in grp.owners}
             for i in grp.owners if grp.extra is not None else ():
-                spots = self._uses(g.in_vids[i])
+                spots = self._compute_uses(g.in_vids[i])
                 if spots:
                     self.gathered_span[i] = (min(spots), max(spots))
             if not free:
