@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 from jax.extend.core import Literal
 
-from jaxshard.graph import AppKind, find_root
+from jaxshard.graph import AppKind, elementwise_reach, find_root
 from jaxshard.lattice import DimSharding
 from jaxshard.rule import FactorKind
 
@@ -869,23 +869,7 @@ def _fills_a_result(graph, v: int, size: int, dims, out_dims, axis_sizes) -> boo
     }
     if size not in results.values():
         return False
-    uses = graph.uses()
-    seen, frontier = {v}, [v]
-    while frontier:
-        u = frontier.pop()
-        if results.get(u) == size:
-            return True
-        for a in uses[u]:
-            app = graph.apps[a]
-            if u not in app.operands or app.kind is not AppKind.EQN:
-                continue
-            if any(f.kind is not FactorKind.PASS for f in app.rule.factors):
-                continue
-            for r in app.results:
-                if r not in seen and graph.shapes[r] == shape:
-                    seen.add(r)
-                    frontier.append(r)
-    return False
+    return any(results.get(u) == size for u in elementwise_reach(graph, v, links=False))
 
 
 def buffer_bytes(graph, v: int, dims, axis_sizes: Mapping[str, int], live: Liveness) -> int:

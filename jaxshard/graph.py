@@ -163,17 +163,28 @@ def updates(graph: Graph, i: int, o: int) -> bool:
         >>> updates(plan.graph, 0, 0)  # doctest: +SKIP
         True
     """
-    start, goal = graph.in_vids[i], graph.out_vids[o]
-    shape = graph.shapes[start]
+    return graph.out_vids[o] in elementwise_reach(graph, graph.in_vids[i], links=True)
+
+
+def elementwise_reach(graph: Graph, v: int, links: bool) -> set[int]:
+    """The values computed from ``v`` by equations that keep its shape and treat each
+    element alone (every factor passes through), and with ``links`` through links into
+    and out of nested calls: the values an update of ``v`` flows into.
+
+    Example:
+        >>> elementwise_reach(plan.graph, plan.graph.in_vids[0], links=True)  # doctest: +SKIP
+        {0, 7, 9}
+    """
+    shape = graph.shapes[v]
     uses = graph.uses()
-    seen, frontier = {start}, [start]
+    seen, frontier = {v}, [v]
     while frontier:
-        v = frontier.pop()
-        if v == goal:
-            return True
-        for a in uses[v]:
+        u = frontier.pop()
+        for a in uses[u]:
             app = graph.apps[a]
-            if v not in app.operands or app.kind is AppKind.TIE:
+            if u not in app.operands or app.kind is AppKind.TIE:
+                continue
+            if app.kind is AppKind.LINK and not links:
                 continue
             if app.kind is AppKind.EQN and any(
                 f.kind is not FactorKind.PASS for f in app.rule.factors
@@ -183,7 +194,7 @@ def updates(graph: Graph, i: int, o: int) -> bool:
                 if r not in seen and graph.shapes[r] == shape:
                     seen.add(r)
                     frontier.append(r)
-    return False
+    return seen
 
 
 def find_root(parent: list[int], x: int) -> int:
