@@ -154,7 +154,7 @@ def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False
         f"estimated memory: {human_bytes(memory.total)} per device (arguments "
         f"{human_bytes(memory.arguments)}, results {human_bytes(memory.results)}, peak "
         f"intermediates {human_bytes(memory.activations)}"
-        + (f" at {g.apps[memory.peak_app].describe()})" if memory.peak_app >= 0 else ")"),
+        + (f", after equation {memory.peak_app})" if memory.peak_app >= 0 else ")"),
         f"predicted communication: {human_bytes(plan.predicted_bytes)} per device per call"
         + (f" ({while_note(plan)})" if plan.while_reshards else ""),
         f"predicted compute: {compute_flops(plan) / 1e9:.3g} GFLOP per device per call "
