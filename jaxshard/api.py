@@ -319,7 +319,8 @@ class AutoShard:
             elif group == 1 and index.key in self._donate_names:
                 donated.add(k)
         if self.donate_state:  # only the state the step returns a new value of
-            donated.update(i for i, o in plan.graph.ties if updates(plan.graph, i, o))
+            uses = plan.graph.uses()
+            donated.update(i for i, o in plan.graph.ties if updates(plan.graph, i, o, uses))
         entry = _Entry(Lowered(plan), donated)
         entry.out_static = sink.get("out")
         return entry

@@ -605,6 +605,7 @@ def liveness(graph, skip: Iterable[int] = ()) -> Liveness:
     start = np.full(n, big, dtype=np.int64)
     end = np.full(n, -1, dtype=np.int64)
     stacked: dict[int, int] = {}
+    link_body = getattr(graph, "link_body", {})
     for a, app in enumerate(graph.apps):
         if a in skip or app.kind is AppKind.TIE:
             continue
@@ -616,7 +617,7 @@ def liveness(graph, skip: Iterable[int] = ()) -> Liveness:
             # a stacked result (the residuals a scan saves for the backward pass, a
             # scanned gradient) is allocated when the loop starts and filled as it runs,
             # and a stacked input the loop reads is alive until it ends
-            first = getattr(graph, "link_body", {}).get(a, a)
+            first = link_body.get(a, a)
             for v in app.operands:
                 o = owner[v]
                 if start[o] == big:

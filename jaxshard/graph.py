@@ -152,7 +152,7 @@ class Graph:
         return uses
 
 
-def updates(graph: Graph, i: int, o: int) -> bool:
+def updates(graph: Graph, i: int, o: int, uses: list[list[int]] | None = None) -> bool:
     """Whether result leaf ``o`` is computed from argument leaf ``i`` through equations
     that keep its shape and treat each element alone (an optimizer's update, ``p - lr *
     g``), links into nested calls included: what makes ``o`` the *new value* of ``i``,
@@ -163,10 +163,12 @@ def updates(graph: Graph, i: int, o: int) -> bool:
         >>> updates(plan.graph, 0, 0)  # doctest: +SKIP
         True
     """
-    return graph.out_vids[o] in elementwise_reach(graph, graph.in_vids[i], links=True)
+    return graph.out_vids[o] in elementwise_reach(graph, graph.in_vids[i], True, uses)
 
 
-def elementwise_reach(graph: Graph, v: int, links: bool) -> set[int]:
+def elementwise_reach(
+    graph: Graph, v: int, links: bool, uses: list[list[int]] | None = None
+) -> set[int]:
     """The values computed from ``v`` by equations that keep its shape and treat each
     element alone (every factor passes through), and with ``links`` through links into
     and out of nested calls: the values an update of ``v`` flows into.
@@ -176,7 +178,7 @@ def elementwise_reach(graph: Graph, v: int, links: bool) -> set[int]:
         {0, 7, 9}
     """
     shape = graph.shapes[v]
-    uses = graph.uses()
+    uses = graph.uses() if uses is None else uses
     seen, frontier = {v}, [v]
     while frontier:
         u = frontier.pop()
