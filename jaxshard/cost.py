@@ -805,8 +805,11 @@ def memory_estimate(
     axis_sizes: Mapping[str, int],
     out_dims: Sequence[Sequence[DimSharding]] | None = None,
     live: Liveness | None = None,
+    extra: Iterable[tuple[int, int, float]] = (),
 ) -> MemoryEstimate:
-    """Per-device memory of a layout of every value of ``graph``.
+    """Per-device memory of a layout of every value of ``graph``; ``extra`` adds buffers
+    no value holds, as ``(first, last, bytes)``: alive from application ``first`` to
+    ``last`` (the gathered copy of a parameter stored apart).
 
     The approximation: a linear scan over the equations in program order, each
     intermediate alive from the equation that makes it to its last reader, every one a
@@ -835,7 +838,8 @@ def memory_estimate(
             seen.add(v)
             results += per_device_bytes(graph.shapes[v], graph.dtypes[v], d, axis_sizes)
     n_apps = len(graph.apps)
-    if not len(live.intermediates) or not n_apps:
+    extra = [(first, last, b) for first, last, b in extra if b]
+    if not (len(live.intermediates) or extra) or not n_apps:
         return MemoryEstimate(args, results, 0, -1)
     sizes = np.array(
         [buffer_bytes(graph, v, dims, axis_sizes, live) for v in live.intermediates],
@@ -854,6 +858,9 @@ def memory_estimate(
     delta = np.zeros(n_apps + 1, dtype=np.int64)
     np.add.at(delta, live.start[live.intermediates], sizes)
     np.add.at(delta, live.end[live.intermediates] + 1, -sizes)
+    for first, last, b in extra:
+        delta[first] += int(b)
+        delta[last + 1] -= int(b)
     curve = np.cumsum(delta)[:n_apps]
     peak = int(np.argmax(curve))
     return MemoryEstimate(args, results, int(curve[peak]), peak)

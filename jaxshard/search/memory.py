@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from jaxshard.graph import elementwise_reach
 from jaxshard.cost import (  # noqa: F401 (fused_liveness re-exported)
     Liveness,
     MemoryEstimate,
@@ -28,27 +29,35 @@ class MemoryModel:
 
     def activation_row(self, t: int) -> tuple[float, dict[tuple, np.ndarray]]:
         """Live intermediates at application ``t``: constant bytes, and per term the
-        bytes under each joint choice."""
+        bytes under each joint choice. Each buffer is priced as
+        `jaxshard.cost.memory_estimate` prices it (`buffer_bytes`): a loop's stack in its
+        per-iteration layout, a stacked gradient filled in its result's buffer."""
         g, live = self.graph, self.live
         mask = (live.start[live.intermediates] <= t) & (live.end[live.intermediates] >= t)
         const = 0.0
         rows: dict[tuple, np.ndarray] = {}
-        by_sig: dict[tuple, float] = {}
+        by_sig: dict[tuple, list] = {}
         for v in live.intermediates[mask]:
             v = int(v)
-            key = (self.refs(v), g.shapes[v], g.dtypes[v])
-            by_sig[key] = by_sig.get(key, 0) + 1
-        for (refs, shape, dtype), count in by_sig.items():
-            size = nbytes(shape, dtype) * count
-            free = tuple(sorted({r for r in refs if type(r) is int}))
+            key = (self.refs(v), g.shapes[v], g.dtypes[v], *self._buffer_parts(v))
+            hit = by_sig.get(key)
+            if hit is None:
+                by_sig[key] = [v, 1]
+            else:
+                hit[1] += 1
+        for (refs, shape, dtype, inner, fills), (v, count) in by_sig.items():
+            free = {r for r in refs if type(r) is int}
+            if inner is not None:
+                free.update(r for r in self.refs(inner) if type(r) is int)
+            for o in fills:
+                free.update(self._result_decisions(o))
             if not free:
-                const += size / math.prod(self.sizes[a] for r in refs for a in self.axes(r, {}))
+                const += count * self._buffer(v, inner, fills, {})
                 continue
             term = self._term(free)
             row = rows.setdefault(term.decisions, np.zeros(len(term.time)))
             for n, choice in self._combos(term):
-                shards = math.prod(self.sizes[a] for r in refs for a in self.axes(r, choice))
-                row[n] += size / shards
+                row[n] += count * self._buffer(v, inner, fills, choice)
         # a parameter stored apart (FSDP) is gathered for its uses, and XLA keeps the
         # gathered copy from the forward's use to the backward's
         for i, (first, last) in self.gathered_span.items():
@@ -61,6 +70,88 @@ class MemoryModel:
                 for n, choice in self._combos(term):
                     row[n] += self.gathered_bytes(i, choice)
         return const, rows
+
+    def _stack_terms(self) -> None:
+        """A joint term for each loop stack's decisions (its own, its per-iteration
+        value's, and the results it may fill), made before the integer program is: the
+        memory rows added while solving use them."""
+        for v in self.live.intermediates:
+            inner, fills = self._buffer_parts(int(v))
+            if inner is None:
+                continue
+            free = {r for r in (*self.refs(int(v)), *self.refs(inner)) if type(r) is int}
+            for o in fills:
+                free.update(self._result_decisions(o))
+            if len(free) > 1:
+                self._term(free)
+
+    def _buffer_parts(self, v: int) -> tuple[int | None, tuple[int, ...]]:
+        """For intermediate ``v``: the per-iteration value of a loop's stack (None if
+        not one), and the results (output positions) of its shape that equations
+        treating each element alone compute from it (whose buffer a stack may fill)."""
+        cache = self.__dict__.setdefault("_parts", {})
+        hit = cache.get(v)
+        if hit is None:
+            g = self.graph
+            inner = self.live.stacked.get(v)
+            fills: tuple[int, ...] = ()
+            if inner is not None:
+                shape = g.shapes[v]
+                outs = [o for o, r in enumerate(g.out_vids) if g.shapes[r] == shape]
+                if outs:
+                    reach = elementwise_reach(g, v, links=False, uses=self._uses_table())
+                    fills = tuple(o for o in outs if g.out_vids[o] in reach)
+            hit = cache[v] = (inner, fills)
+        return hit
+
+    def _uses_table(self) -> list[list[int]]:
+        table = self.__dict__.get("_uses_cache")
+        if table is None:
+            table = self.__dict__["_uses_cache"] = self.graph.uses()
+        return table
+
+    def _result_decisions(self, o: int) -> set[int]:
+        """The decisions result ``o``'s layout depends on (a tied one: its argument's)."""
+        g = self.graph
+        i = self._tied_arg().get(o)
+        if i is None:
+            return {r for r in self.refs(g.out_vids[o]) if type(r) is int}
+        free = {r for r in self.refs(g.in_vids[i]) if type(r) is int}
+        k = self.leaf_group.get(i)
+        if k is not None and self.groups[k].extra is not None:
+            free.add(self.groups[k].extra)
+        return free
+
+    def _tied_arg(self) -> dict[int, int]:
+        return {o: i for i, o in self.graph.ties}
+
+    def _result_bytes(self, o: int, choice) -> float:
+        """Per-device bytes of result ``o`` under a choice (a tied result is laid out
+        as its argument is stored)."""
+        g = self.graph
+        r = g.out_vids[o]
+        i = self._tied_arg().get(o)
+        lay = self.leaf_layout(i, choice) if i is not None else None
+        if lay is None:
+            lay = [self.axes(x, choice) for x in self.refs(r)]
+        return nbytes(g.shapes[r], g.dtypes[r]) / math.prod(self.sizes[a] for x in lay for a in x)
+
+    def _buffer(self, v: int, inner: int | None, fills: tuple[int, ...], choice) -> float:
+        """Per-device bytes of intermediate ``v``'s buffer under a choice
+        (`jaxshard.cost.buffer_bytes`, and 0 when a result's buffer holds it)."""
+        g = self.graph
+        own = nbytes(g.shapes[v], g.dtypes[v]) / math.prod(
+            self.sizes[a] for r in self.refs(v) for a in self.axes(r, choice)
+        )
+        if inner is None:
+            return own
+        each = nbytes(g.shapes[inner], g.dtypes[inner]) / math.prod(
+            self.sizes[a] for r in self.refs(inner) for a in self.axes(r, choice)
+        )
+        size = max(own, g.shapes[v][0] * each)
+        if any(math.isclose(self._result_bytes(o, choice), size) for o in fills):
+            return 0.0
+        return size
 
     def _static_memory(self) -> float:
         """Bytes of arguments and results that no decision touches."""
@@ -101,23 +192,8 @@ class MemoryModel:
         """`jaxshard.cost.memory_estimate` of a layout of every value, plus the gathered
         copies of the parameters the choice stores apart (FSDP), alive from their first
         use to their last."""
-        base = memory_estimate(self.graph, dims, self.sizes, out_dims, self.live)
-        spans = [(span, self.gathered_bytes(i, choice)) for i, span in self.gathered_span.items()]
-        spans = [(span, b) for span, b in spans if b]
-        if not spans:
-            return base
-        live, n_apps = self.live, len(self.graph.apps)
-        sizes = np.array(
-            [per_device_bytes(self.graph.shapes[v], self.graph.dtypes[v], dims[v], self.sizes)
-             for v in live.intermediates],
-            dtype=np.float64,
-        )  # fmt: skip
-        delta = np.zeros(n_apps + 1)
-        np.add.at(delta, live.start[live.intermediates], sizes)
-        np.add.at(delta, live.end[live.intermediates] + 1, -sizes)
-        for (first, last), b in spans:
-            delta[first] += b
-            delta[last + 1] -= b
-        curve = np.cumsum(delta)[:n_apps]
-        peak = int(np.argmax(curve))
-        return MemoryEstimate(base.arguments, base.results, int(curve[peak]), peak)
+        spans = [
+            (first, last, self.gathered_bytes(i, choice))
+            for i, (first, last) in self.gathered_span.items()
+        ]
+        return memory_estimate(self.graph, dims, self.sizes, out_dims, self.live, spans)

@@ -187,6 +187,7 @@ class Problem(MemoryModel):
         self._value_terms()
         self._app_terms()
         self._group_terms()
+        self._stack_terms()
         self.static = self._static_memory()
 
     # --- dim classes -------------------------------------------------------------------
@@ -234,6 +235,16 @@ class Problem(MemoryModel):
             size[other] = math.gcd(size[other], size[k])
             return other
 
+        # the mesh axes a size splits over: a class joining a factor of a size fewer of
+        # them divide would lose those layouts for every member (64 query heads behind a
+        # repeat of 8 key heads, on a 32-way tensor axis), so the dim is cut from that
+        # factor instead, and the equation prices the move
+        splits = [n for n in self.sizes.values() if n > 1]
+
+        def narrows(a: int, b: int) -> bool:
+            both = math.gcd(a, b)
+            return any((a % n == 0 or b % n == 0) and both % n for n in splits)
+
         self.cuts: dict[int, frozenset[tuple[int, int]]] = {}
         majors: dict[int, list[tuple[int, int]]] = {}  # per rule: (tensor, dim, factor)
         for a, app in enumerate(g.apps):
@@ -254,9 +265,15 @@ class Problem(MemoryModel):
                 k = find_root(parent, int(offset[vids[t]]) + d)
                 fs = rule.factors[f].size
                 if size[k] % fs:
+                    if narrows(size[k], fs):
+                        cut.append((t, d))
+                        continue
                     size[k] = math.gcd(size[k], fs)
                 claims = {find_root(parent, r): h for h, r in first.items()}
                 other = first.get(f)
+                if other is not None and narrows(size[k], size[find_root(parent, other)]):
+                    cut.append((t, d))
+                    continue
                 if other is None:
                     if claims.get(k, f) != f:
                         cut.append((t, d))
