@@ -36,49 +36,66 @@ LAYOUTS = ("megatron", "fsdp+tp", "fsdp+tp+seq", "fsdp-all")
 SHAPES = {
     "8B": dict(d_model=4096, n_heads=32, n_kv_heads=8, n_layers=32, d_ff=14336, batch=64),
     "70B": dict(d_model=8192, n_heads=64, n_kv_heads=8, n_layers=80, d_ff=28672, batch=256),
+    "Mixtral": dict(d_model=4096, n_heads=32, n_kv_heads=8, n_layers=32, d_ff=14336, batch=64,
+                    n_experts=8, top_k=2, vocab=32000),
 }
+MOE_LAYOUTS = (*LAYOUTS, "ep+fsdp")
 # per device count: (model shape, mesh shape, mesh axes); "data" carries the batch and
 # FSDP, "model" the tensor split; a 3-D mesh splits the data axes in two
 MESHES = {
-    64: [("8B", (8, 8), ("data", "model"))],
+    64: [("8B", (8, 8), ("data", "model")), ("Mixtral", (8, 8), ("data", "model"))],
     256: [("70B", (32, 8), ("data", "model"))],
     1024: [("70B", (32, 32), ("data", "model")), ("70B", (16, 8, 8), ("data", "fsdp", "model"))],
 }
 
 
-def hints_for(layout: str, axes: tuple[str, ...]) -> dict:
-    """Hints for ``layout`` on a mesh with ``axes`` (the last one tensor parallel)."""
+# a hand layout's compiled memory times this is a search budget: the estimate's tolerance
+SLACK = 1.1
+SEARCH_DOC = (
+    "The search (`search=True`) from the batch hint and from no hints at all, with each hand "
+    "layout's compiled memory plus 10% (the estimate's tolerance) as `memory_budget`. "
+    "\"fits\": the searched plan's compiled memory is within the budget; \"bytes vs it\": its "
+    "compiled collective bytes over those of the hand layout that moves the fewest among "
+    "those whose compiled memory is within the budget."
+)
+
+
+def hints_for(layout: str, axes: tuple[str, ...], experts: bool = False) -> dict:
+    """Hints for ``layout`` on a mesh with ``axes`` (the last one tensor parallel); with
+    ``experts`` the MLP weights carry an expert dim after the layer dim ("ep+fsdp": the
+    experts over the tensor axis, their model dim stored on the batch's axes)."""
     from jax.sharding import PartitionSpec as P
 
     tp = axes[-1]
     data = axes[:-1] if len(axes) > 2 else axes[0]
     every = axes
-    col, row = (P(None, None, tp), P(None, tp, None))
-    hints = {r"batch/.*": P(data)}
     if layout == "fsdp-all":
-        return {
-            r"batch/.*": P(every),
-            r"params/layers/(wq|wk|wv|w_gate|w_up)": P(None, every, None),
-            r"params/layers/(wo|w_down)": P(None, None, every),
-            r"params/embed": P(every, None),
-            r"params/head": P(None, every),
-        }
-    fsdp = layout != "megatron"
-    hints.update(
-        {
-            r"params/layers/(wq|wk|wv|w_gate|w_up)": P(None, data, tp) if fsdp else col,
-            r"params/layers/(wo|w_down)": P(None, tp, data) if fsdp else row,
-            r"params/embed": P(tp, data) if fsdp else P(tp, None),
-            r"params/head": P(data, tp) if fsdp else P(None, tp),
-        }
-    )
-    if layout == "fsdp+tp+seq":
-        hints[r"batch/.*"] = P(data, tp)
-    return hints
+        col, row, embed, head, batch = (None, every, None), (None, None, every), P(every, None), P(None, every), P(every)  # fmt: skip
+    else:
+        fsdp = data if layout != "megatron" else None
+        col, row, embed, head = (None, fsdp, tp), (None, tp, fsdp), P(tp, fsdp), P(fsdp, tp)
+        batch = P(data, tp) if layout == "fsdp+tp+seq" else P(data)
+    mlp_col, mlp_row = col, row
+    if experts:  # (L, E, D, F) and (L, E, F, D)
+        mlp_col, mlp_row = (None, None, *col[1:]), (None, None, *row[1:])
+        if layout == "ep+fsdp":
+            mlp_col, mlp_row = (None, tp, data, None), (None, tp, None, data)
+    return {
+        r"batch/.*": batch,
+        r"params/layers/(wq|wk|wv)": P(*col),
+        r"params/layers/wo": P(*row),
+        r"params/layers/(w_gate|w_up)": P(*mlp_col),
+        r"params/layers/w_down": P(*mlp_row),
+        r"params/embed": embed,
+        r"params/head": head,
+    }
 
 
-def measure(devices: int, fast: bool) -> list[dict]:
-    """Every row for one device count (this process has that many devices)."""
+def measure(devices: int, fast: bool, models_: str = "", search: str = "all") -> list[dict]:
+    """Every row for one device count (this process has that many devices): of the
+    shapes named in ``models_`` (comma-separated; all if empty), the searches for every
+    budget (``search="all"``), the tightest with the batch hint only (``"tight"``), or
+    none."""
     import jax
 
     sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
@@ -90,15 +107,19 @@ def measure(devices: int, fast: bool) -> list[dict]:
 
     rows = []
     for shape, mesh_shape, axes in MESHES[devices]:
+        if models_ and shape not in models_.split(","):
+            continue
         spec = dict(SHAPES[shape])
         batch = spec.pop("batch")
         if fast:
             spec["n_layers"] = 2
-        cfg = models.LlamaConfig(vocab=128256, seq=4096, **spec)
+        spec.setdefault("vocab", 128256)
+        cfg = models.LlamaConfig(seq=4096, **spec)
         w = workload(f"{shape}", "llama", cfg, batch)
         mesh = jax.make_mesh(mesh_shape, axes)
-        for layout in LAYOUTS:
-            hints = hints_for(layout, axes)
+        experts = cfg.n_experts > 0
+        for layout in MOE_LAYOUTS if experts else LAYOUTS:
+            hints = hints_for(layout, axes, experts)
             row = {"model": shape, "layers": cfg.n_layers, "mesh": "x".join(map(str, mesh_shape)),
                    "axes": ",".join(axes), "layout": layout}  # fmt: skip
             if layout == "fsdp-all" and batch % devices:
@@ -118,6 +139,45 @@ def measure(devices: int, fast: bool) -> list[dict]:
                 row["xla_bytes"], row["xla_memory"] = alone.bytes, alone.memory
             except Exception as e:  # noqa: BLE001 - a row that fails says so in the table
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            rows.append(row)
+        if search != "none":
+            hand = [r for r in rows if "memory" in r and r["model"] == shape
+                    and r["mesh"] == row["mesh"] and "budget" not in r]  # fmt: skip
+            rows += search_rows(w, mesh, axes, hand, tight=search == "tight")
+    return rows
+
+
+def search_rows(w, mesh, axes, hand: list[dict], tight: bool = False) -> list[dict]:
+    """The search from the batch hint and from no hints, with each hand layout's compiled
+    memory plus the estimate's 10% tolerance as budget: the plan's compiled memory and
+    bytes against the hand layouts that fit that budget once compiled. ``tight``: the
+    smallest budget, from the batch hint, only."""
+    import jaxshard
+    from jaxshard.baseline import compiled_cost
+
+    rows = []
+    budgets = sorted({round(SLACK * r["memory"]) for r in hand})
+    for budget in budgets[:1] if tight else budgets:
+        fitting = [r for r in hand if r["memory"] <= budget]
+        best = min(fitting, key=lambda r: r["bytes"])
+        for hinted in (True,) if tight else (True, False):
+            hints = {r"batch/.*": hints_for("megatron", axes)[r"batch/.*"]} if hinted else {}
+            row = {"model": best["model"], "layers": best["layers"], "mesh": best["mesh"],
+                   "axes": best["axes"], "budget": budget, "hinted": hinted,
+                   "best": best["layout"], "best_bytes": best["bytes"],
+                   "best_memory": best["memory"]}  # fmt: skip
+            try:
+                start = time.perf_counter()
+                step = jaxshard.auto_shard(mesh, hints, search=True, memory_budget=budget)(w.step)
+                plan = step.plan(*w.args)
+                row["plan_s"] = time.perf_counter() - start
+                row["predicted"] = plan.predicted_bytes
+                row["estimated"] = plan.estimated_memory.total
+                ours = compiled_cost(step.lower(*w.args).compile(), mesh)
+                row["bytes"], row["memory"] = ours.bytes, ours.memory
+            except Exception as e:  # noqa: BLE001 - a row that fails says so in the table
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
     return rows
@@ -147,7 +207,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(device_counts: list[int], fast: bool) -> list[dict]:
+def search_table(rows: list[dict]) -> str:
+    lines = [
+        "| model | mesh | search from | budget | plan s | compiled memory | fits | "
+        "predicted / compiled bytes | estimated / compiled memory | best hand layout within "
+        "budget: bytes, memory | bytes vs it |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        head = (f"| {r['model']} ({r['layers']}L) | {r['mesh']} ({r['axes']}) | "
+                f"{'batch hint' if r['hinted'] else 'no hints'} | {_gib(r['budget'])} |")  # fmt: skip
+        hand = f"{r['best']}: {_gib(r['best_bytes'])}, {_gib(r['best_memory'])}"
+        if "error" in r:
+            lines.append(f"{head} — | {r['error']} | **no** | | | {hand} | |")
+            continue
+        fits = "yes" if r["memory"] <= r["budget"] else "**NO**"
+        lines.append(
+            f"{head} {r['plan_s']:.1f} | {_gib(r['memory'])} | {fits} | "
+            f"{_gib(r['predicted'])} / {_gib(r['bytes'])} "
+            f"(**{r['predicted'] / max(r['bytes'], 1):.2f}**) | {_gib(r['estimated'])} / "
+            f"{_gib(r['memory'])} (**{r['estimated'] / r['memory']:.2f}**) | {hand} | "
+            f"{r['bytes'] / max(r['best_bytes'], 1):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def run(device_counts: list[int], fast: bool, models_: str = "", search: str = "all") -> list[dict]:
     """Each device count in a subprocess with that many simulated CPU devices."""
     rows = []
     for n in device_counts:
@@ -155,7 +240,8 @@ def run(device_counts: list[int], fast: bool) -> list[dict]:
         flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
         env["JAX_PLATFORMS"] = "cpu"
-        argv = [sys.executable, "-m", "benchmarks.scale", "--one", str(n)]
+        argv = [sys.executable, "-m", "benchmarks.scale", "--one", str(n), "--search", search]
+        argv += ["--models", models_] if models_ else []
         out = subprocess.run(
             argv + (["--fast"] if fast else []), cwd=ROOT, env=env, check=True,
             stdout=subprocess.PIPE, text=True,
@@ -168,14 +254,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", default="64", help="device counts, e.g. 64,256,1024")
     parser.add_argument("--fast", action="store_true", help="2 layers of each shape")
+    parser.add_argument("--models", default="", help="shapes to run, e.g. 8B,Mixtral (all)")
+    parser.add_argument("--search", default="all", choices=("all", "tight", "none"),
+                        help="searches: every budget, the tightest from the batch hint, none")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # one count, in-process
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(measure(args.one, args.fast)))
+        print(json.dumps(measure(args.one, args.fast, args.models, args.search)))
         return
     start = time.perf_counter()
     counts = [int(n) for n in args.devices.split(",")]
-    rows = run(counts, args.fast)
+    rows = run(counts, args.fast, args.models, args.search)
     import jax
 
     text = (
@@ -183,8 +272,14 @@ def main(argv=None) -> None:
         + __doc__.split("\n\n", 2)[2].strip()
         + f"\n\n`python -m benchmarks.scale --devices {args.devices}"
         + (" --fast" if args.fast else "")
+        + (f" --models {args.models}" if args.models else "")
+        + (f" --search {args.search}" if args.search != "all" else "")
         + f"` ({time.perf_counter() - start:.0f} s, JAX {jax.__version__}, 2 CPU cores).\n\n"
-        + table(rows)
+        + table([r for r in rows if "budget" not in r])
+        + "\n\n## The search\n\n"
+        + SEARCH_DOC
+        + "\n\n"
+        + search_table([r for r in rows if "budget" in r])
         + "\n"
     )
     from benchmarks.pipeline import write_result

@@ -246,6 +246,11 @@ class LlamaConfig:
     n_layers: int = 2
     seq: int = 16
     d_ff: int = 128
+    # > 0: each MLP is a top-k mixture of this many experts (Mixtral), tokens routed
+    # within their sequence with a capacity of capacity_factor * seq * top_k / n_experts
+    n_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 1.25
 
 
 def init_llama(key: jax.Array, cfg: LlamaConfig) -> Params:
@@ -265,6 +270,9 @@ def init_llama(key: jax.Array, cfg: LlamaConfig) -> Params:
         "w_up": (L, D, F),
         "w_down": (L, F, D),
     }
+    if cfg.n_experts:  # one MLP per expert, and the router
+        E = cfg.n_experts
+        shapes.update(w_gate=(L, E, D, F), w_up=(L, E, D, F), w_down=(L, E, F, D), router=(L, D, E))
     k_embed, k_head, *ks = jax.random.split(key, len(shapes) + 2)
     layers = {name: _dense(k, shape) for k, (name, shape) in zip(ks, shapes.items(), strict=True)}
     layers["attn_norm"] = jnp.ones((L, D), jnp.float32)
@@ -308,11 +316,42 @@ def llama_loss(params: Params, batch: Batch, cfg: LlamaConfig) -> jax.Array:
         k, v = jnp.repeat(k, h // kv, axis=2), jnp.repeat(v, h // kv, axis=2)
         x = x + _attention(q, k, v, causal=True).reshape(b, s, h * dh) @ p["wo"]
         y = _rms_norm(x, p["mlp_norm"])
+        if cfg.n_experts:
+            return x + _expert_mlp(y, p, cfg), None
         return x + (jax.nn.silu(y @ p["w_gate"]) * (y @ p["w_up"])) @ p["w_down"], None
 
     x, _ = jax.lax.scan(layer, params["embed"][tok], params["layers"])
     logits = _rms_norm(x, params["norm"]) @ params["head"]
     return _cross_entropy(logits, batch["tgt"])
+
+
+def _expert_mlp(y: jax.Array, p: Params, cfg: LlamaConfig) -> jax.Array:
+    """Top-k mixture of SwiGLU experts on y: (B, S, D), GShard-style einsum dispatch and
+    combine, each sequence a routing group; tokens past an expert's capacity are dropped.
+
+    >>> cfg = LlamaConfig(n_experts=4)
+    >>> p = jax.tree.map(lambda w: w[0], init_llama(jax.random.key(0), cfg)["layers"])
+    >>> _expert_mlp(jnp.ones((2, cfg.seq, cfg.d_model)), p, cfg).shape
+    (2, 16, 64)
+    """
+    b, s, _ = y.shape
+    e, k = cfg.n_experts, cfg.top_k
+    capacity = math.ceil(cfg.capacity_factor * s * k / e)
+    probs = jax.nn.softmax(y @ p["router"], axis=-1)  # (B, S, E)
+    gates, idx = jax.lax.top_k(probs, k)  # (B, S, K)
+    gates = gates / gates.sum(-1, keepdims=True)
+    choice = jax.nn.one_hot(idx, e, dtype=y.dtype)  # (B, S, K, E)
+    # each token's slot in its expert's buffer: k-th choices queue after (k-1)-th ones
+    queued = choice.transpose(0, 2, 1, 3).reshape(b, k * s, e)
+    pos = (jnp.cumsum(queued, axis=1) - 1).reshape(b, k, s, e).transpose(0, 2, 1, 3)
+    slot = jnp.sum(pos * choice, axis=-1).astype(jnp.int32)  # (B, S, K)
+    slot_1h = jax.nn.one_hot(slot, capacity, dtype=y.dtype)  # (B, S, K, C)
+    dispatch = jnp.einsum("bske,bskc->bsec", choice, slot_1h)
+    combine = jnp.einsum("bsk,bske,bskc->bsec", gates, choice, slot_1h)
+    xe = jnp.einsum("bsec,bsd->becd", dispatch, y)
+    h = jax.nn.silu(jnp.einsum("becd,edf->becf", xe, p["w_gate"]))
+    h = h * jnp.einsum("becd,edf->becf", xe, p["w_up"])
+    return jnp.einsum("bsec,becd->bsd", combine, jnp.einsum("becf,efd->becd", h, p["w_down"]))
 
 
 def make_batch_llama(key: jax.Array, cfg: LlamaConfig, batch_size: int = 8) -> Batch:

@@ -1,8 +1,8 @@
 """Real sizes, the fast version: two layers of the Llama-3-8B shape (d 4096, ffn 14336,
 vocab 128256, seq 4096, batch 64) on 64 simulated devices, each hand layout of
 `benchmarks.scale` planned and compiled: the estimated memory and the predicted bytes
-hold within 10% of the compiled program (`python -m benchmarks.scale --devices
-64,256,1024` measures the full shapes)."""
+hold within 10% of the compiled program, and the search from the batch hint keeps its
+budget (`python -m benchmarks.scale --devices 64,256,1024` measures the full shapes)."""
 
 import json
 import os
@@ -21,10 +21,12 @@ def rows():
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=64".strip()
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.scale", "--one", "64", "--fast"],
+        [sys.executable, "-m", "benchmarks.scale", "--one", "64", "--fast", "--models", "8B",
+         "--search", "tight"],
         cwd=ROOT, env=env, check=True, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    return {r["layout"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    return {r.get("layout", "search"): r for r in found}
 
 
 LAYOUTS = ["megatron", "fsdp+tp", "fsdp+tp+seq", "fsdp-all"]
@@ -60,3 +62,15 @@ def test_predicted_bytes_hold_at_the_8b_shape(rows, layout):
 def test_never_worse_than_xla_alone_at_the_8b_shape(rows, layout):
     row = rows[layout]
     assert row["bytes"] <= 1.05 * row["xla_bytes"] and row["memory"] <= row["xla_memory"], row
+
+
+def test_the_search_keeps_its_budget_at_the_8b_shape(rows):
+    """From the batch hint, with the smallest hand layout's compiled memory plus 10% as
+    budget: the searched plan fits once compiled, moves no more bytes than that hand
+    layout, and its estimates hold within 10%."""
+    row = rows["search"]
+    assert "error" not in row, row.get("error")
+    assert row["memory"] <= row["budget"], row
+    assert row["bytes"] <= row["best_bytes"] * 1.001, row
+    assert abs(row["estimated"] / row["memory"] - 1) <= 0.10, row
+    assert abs(row["predicted"] / row["bytes"] - 1) <= 0.10, row

@@ -19,7 +19,9 @@ Outline, module by module:
    state (FSDP/ZeRO-3: gathered at each use, the gathered copy alive from the first use
    to the last). Each decision picks one candidate (unsharded, or one mesh axis dividing
    all its sizes; a class holding a data argument's dim, the unhinted batch, may also
-   take every axis at once); costs come from the rules (a sharded reduction factor leaves
+   take any two or more axes at once whose sizes' product divides it); a dim whose factor
+   fewer axes divide than its class (8 key heads repeated into 64 query heads on a
+   32-way axis) is cut from that factor rather than narrowing the class; costs come from the rules (a sharded reduction factor leaves
    its results partial: an all-reduce; a sharded need-replication factor gathers its
    operands; one axis may not shard two dims; with ``CostModel(flops=...)`` each
    equation's FLOPs over the devices that split it), and
@@ -37,7 +39,9 @@ Outline, module by module:
    layout fits, it finds the smallest-memory one instead.
 4. `result` reports: the chosen hints go through ordinary propagation (`search_hints`,
    here), whose plan gives the reported bytes and memory, and `SearchResult` explains it;
-   a budget nothing meets is an error naming the smallest footprint.
+   a budget nothing meets is an error naming the smallest footprint. Where propagation
+   moves far more bytes than the model counted for its optimum, that layout is excluded
+   and the program solved again (`_repriced`).
 """
 
 from __future__ import annotations
@@ -154,7 +158,8 @@ def search_hints(
                     f"{human_bytes(memory.total)} of memory per device "
                     f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
                 if target is None or memory.total <= target:
-                    return Settled(plan, memory, choice, optimal, status)
+                    found = Settled(plan, memory, choice, optimal, status)
+                    return _repriced(problem, found, target, propagated, tried, t0, time_limit, say)
                 if not optimal:
                     # the time limit stopped the solver over the budget: a budget is a
                     # promise, so the layout of least memory instead (a smaller problem,
@@ -207,6 +212,42 @@ def search_hints(
 
 
 COMPILES = 4  # the most compiles `calibrate_memory` makes
+# layouts whose propagated collectives exceed the model's count by more than this factor
+# are excluded and the integer program solved again, at most REPRICES times
+MISPRICED = 1.25
+REPRICES = 4
+
+
+def _repriced(problem, found: Settled, target, propagated, tried, t0, time_limit, say) -> Settled:
+    """``found``, or a layout that moves fewer bytes once propagated: the class model
+    prices each decision from the rules, and where propagation resolves a layout into more
+    collectives than the model counted (classes cut apart meeting again, a conflict
+    settled the other way), the model's optimum may not be the best layout. Each such
+    layout is excluded and the program solved again (``REPRICES`` times at most, within
+    the time limit); of the layouts propagated, the one that moves the fewest bytes within
+    the budget is kept."""
+    fits = [found]
+    current = found
+    for _ in range(REPRICES):
+        modeled = problem.comm(current.choice)[1]
+        if step_bytes(current.plan) <= MISPRICED * modeled + 2**20 or not current.optimal:
+            break
+        if time.perf_counter() - t0 >= time_limit:
+            break
+        problem.excluded.append(dict(current.choice))
+        say(f"propagation moves {human_bytes(step_bytes(current.plan))}, the model said "
+            f"{human_bytes(modeled)}: solving again without that layout")  # fmt: skip
+        try:
+            choice, optimal, status = solve(problem, t0, time_limit, say)
+        except Infeasible:
+            break
+        plan, memory = propagated(choice)
+        current = Settled(plan, memory, choice, optimal and found.optimal, status)
+        if target is None or memory.total <= target:
+            fits.append(current)
+    best = min(fits, key=lambda f: step_bytes(f.plan))
+    problem.excluded.clear()
+    return best
 # seconds the smallest-memory search may take past a time limit that stopped the solver
 # over its budget (a layout over its budget is never returned)
 RESCUE_SECONDS = 5.0

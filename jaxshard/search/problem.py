@@ -164,6 +164,8 @@ class Problem(MemoryModel):
         self.live: Liveness = fused_liveness(graph, liveness(graph, self.dead))
         self.user_budget = memory_budget
         self._pins(hints)
+        # whole choices the integer program may not take (`jaxshard.search._repriced`)
+        self.excluded: list[dict[int, int]] = []
         self._readers: dict[int, list[int]] = {}
         # a stacked argument -> the per-layer values scans slice it into (their uses are
         # its uses, once per iteration)
@@ -369,19 +371,24 @@ class Problem(MemoryModel):
             else:
                 self.ref[k] = UNSPLIT
         # a class holding a dim of a data argument (not state the step returns: the
-        # batch) may also take every mesh axis at once, major to minor (data parallel
-        # over the whole mesh); for state, one axis per dim keeps the program small
+        # batch) may also take several mesh axes at once, major to minor (data parallel
+        # over part or all of the mesh); for state, one axis per dim keeps the program
+        # small
         data_classes = {
             k for k, ms in members.items() if any(i not in self.tied for i in self._leaves_of(ms))
         }
         multi = tuple(a for a, n in self.sizes.items() if n > 1)
+        # several axes at once, major to minor: every set of two or more whose sizes'
+        # product divides the dim (a batch of 256 on a 16x8x8 mesh: data and fsdp)
+        combos = [c for r in range(2, len(multi) + 1) for c in itertools.combinations(multi, r)]
         for dec, size in divides.items():
             self.decisions[dec].candidates += [
                 (a,) for a, n in self.sizes.items() if n > 1 and size % n == 0
             ]
-            if len(multi) > 1 and size % math.prod(self.sizes[a] for a in multi) == 0:
-                if any(self.ref.get(k) == dec for k in data_classes):
-                    self.decisions[dec].candidates.append(multi)
+            if any(self.ref.get(k) == dec for k in data_classes):
+                self.decisions[dec].candidates += [
+                    c for c in combos if size % math.prod(self.sizes[a] for a in c) == 0
+                ]
         self.n_class_decisions = len(self.decisions)
         if self.budget is not None:  # an extra storage axis per group, for memory
             total = sum(self._leaf_bytes(i) for i in self.leaf_group)

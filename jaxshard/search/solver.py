@@ -145,6 +145,10 @@ class Model:
         lp.integrality_ = [highspy.HighsVarType.kInteger] * n
         h.passModel(lp)
         self.h = h
+        # layouts propagation showed the model misprices: each excluded as a whole
+        for choice in getattr(problem, "excluded", ()):
+            cols = np.array([self.x[d][c] for d, c in choice.items()], dtype=np.int32)
+            h.addRow(-highspy.kHighsInf, len(cols) - 1.0, len(cols), cols, np.ones(len(cols)))
         self.status = None
         self.status_text = ""
         self._say = None
