@@ -75,20 +75,20 @@ def hints_for(layout: str, axes: tuple[str, ...], experts: bool = False) -> dict
         fsdp = data if layout != "megatron" else None
         col, row, embed, head = (None, fsdp, tp), (None, tp, fsdp), P(tp, fsdp), P(fsdp, tp)
         batch = P(data, tp) if layout == "fsdp+tp+seq" else P(data)
-    mlp_col, mlp_row = col, row
-    if experts:  # (L, E, D, F) and (L, E, F, D)
-        mlp_col, mlp_row = (None, None, *col[1:]), (None, None, *row[1:])
-        if layout == "ep+fsdp":
-            mlp_col, mlp_row = (None, tp, data, None), (None, tp, None, data)
-    return {
-        r"batch/.*": batch,
-        r"params/layers/(wq|wk|wv)": P(*col),
-        r"params/layers/wo": P(*row),
-        r"params/layers/(w_gate|w_up)": P(*mlp_col),
-        r"params/layers/w_down": P(*mlp_row),
-        r"params/embed": embed,
-        r"params/head": head,
-    }
+    hints = {r"batch/.*": batch, r"params/embed": embed, r"params/head": head}
+    if not experts:  # one hint for the column-parallel weights, one for the row-parallel
+        hints[r"params/layers/(wq|wk|wv|w_gate|w_up)"] = P(*col)
+        hints[r"params/layers/(wo|w_down)"] = P(*row)
+        return hints
+    # (L, E, D, F) and (L, E, F, D)
+    mlp_col, mlp_row = (None, None, *col[1:]), (None, None, *row[1:])
+    if layout == "ep+fsdp":
+        mlp_col, mlp_row = (None, tp, data, None), (None, tp, None, data)
+    hints[r"params/layers/(wq|wk|wv)"] = P(*col)
+    hints[r"params/layers/wo"] = P(*row)
+    hints[r"params/layers/(w_gate|w_up)"] = P(*mlp_col)
+    hints[r"params/layers/w_down"] = P(*mlp_row)
+    return hints
 
 
 def measure(devices: int, fast: bool, models_: str = "", search: str = "all") -> list[dict]:

@@ -381,7 +381,13 @@ class Problem(MemoryModel):
         # several axes at once, major to minor: every set of two or more whose sizes'
         # product divides the dim (a batch of 256 on a 16x8x8 mesh: data and fsdp)
         combos = [c for r in range(2, len(multi) + 1) for c in itertools.combinations(multi, r)]
+        # the layer dim of a stack scans slice stays whole: each iteration reads one
+        # layer, so a stack split over layers is gathered whole before the loop (an
+        # extra storage axis on another dim gathers one layer at a time instead)
+        layer_decisions = {self.ref.get(self._key(v, 0)) for v in self._layers}
         for dec, size in divides.items():
+            if dec in layer_decisions:
+                continue
             self.decisions[dec].candidates += [
                 (a,) for a, n in self.sizes.items() if n > 1 and size % n == 0
             ]
