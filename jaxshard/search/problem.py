@@ -398,11 +398,8 @@ class Problem(MemoryModel):
         self.n_class_decisions = len(self.decisions)
         if self.budget is not None:  # an extra storage axis per group, for memory
             total = sum(self._leaf_bytes(i) for i in self.leaf_group)
-            # one mesh axis, or all of them (ZeRO-3 over the whole mesh, when the batch
-            # takes every axis)
-            storage_axes = [(a,) for a, n in self.sizes.items() if n > 1]
-            if len(multi) > 1:
-                storage_axes.append(multi)
+            # one mesh axis, or several (ZeRO-3 over the axes the batch takes)
+            storage_axes = [(a,) for a, n in self.sizes.items() if n > 1] + combos
             for grp in self.groups:
                 leaves = (*grp.owners, *grp.followers)
                 if sum(self._leaf_bytes(i) for i in leaves) < 1e-3 * total:
