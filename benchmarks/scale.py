@@ -1,5 +1,5 @@
-"""Real sizes: estimates against compiled programs for 8B and 70B shapes on 64 to 1024
-devices, hand layouts under jaxshard and under XLA alone, and the search.
+"""Real sizes: estimates against compiled programs for 8B, Mixtral and 70B shapes on 64
+to 1024 devices, hand layouts under jaxshard and under XLA alone, and the search.
 
     python -m benchmarks.scale                          # 8B on 64 devices
     python -m benchmarks.scale --devices 64,256,1024    # and the 70B shape on 256, 1024
@@ -7,13 +7,15 @@ devices, hand layouts under jaxshard and under XLA alone, and the search.
 
 Steps are `examples/models.py`'s Llama (layers under `lax.scan` with a `jax.checkpoint`
 body, GQA, SwiGLU, vocab 128256, seq 4096, AdamW, float32) with abstract arguments: the
-Llama-3-8B shape (32 layers, d 4096, 32/8 heads, ffn 14336, batch 64) and the 70B shape
-(80 layers, d 8192, 64/8 heads, ffn 28672, batch 256). Each device count runs in a
+Llama-3-8B shape (32 layers, d 4096, 32/8 heads, ffn 14336, batch 64), the Mixtral-8x7B
+shape (the same with 8 experts per MLP, top 2, vocab 32000) and the 70B shape (80
+layers, d 8192, 64/8 heads, ffn 28672, batch 256). Each device count runs in a
 process of its own with that many simulated CPU devices. Hand layouts, given as hints:
 Megatron tensor parallel + data parallel, FSDP (weights' other dim on the batch's axes) +
 tensor parallel, the same with the sequence on the tensor axis, and FSDP over every
-axis with the batch over every axis. "XLA alone" is `jax.jit` with the hints as
-in/out shardings (`jaxshard.baseline.shardy_alone`). Columns: jaxshard's predicted
+axis with the batch over every axis; for Mixtral also the experts over the tensor axis
+with their model dim stored on the batch's (expert parallel + FSDP). "XLA alone" is
+`jax.jit` with the hints as in/out shardings (`jaxshard.baseline.shardy_alone`). Columns: jaxshard's predicted
 collective bytes against the compiled program's (ring volumes per device per step),
 its estimated memory (`Plan.estimated_memory`) against `memory_analysis()`, and the
 ratios to XLA alone.

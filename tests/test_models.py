@@ -1,5 +1,6 @@
-"""The model zoo: every primitive of every train step has a rule, and the scan-stacked
-Llama trains sharded with the layer dim of every stacked weight unsharded."""
+"""The model zoo: every primitive of every train step has a rule, the scan-stacked
+Llama trains sharded with the layer dim of every stacked weight unsharded, and so does
+its Mixtral-shaped variant (expert MLPs) under expert-parallel hints."""
 
 import functools
 
