@@ -214,7 +214,7 @@ def search_hints(
 COMPILES = 4  # the most compiles `calibrate_memory` makes
 # layouts whose propagated collectives exceed the model's count by more than this factor
 # are excluded and the integer program solved again, at most REPRICES times
-MISPRICED = 1.25
+MISPRICED = 1.1
 REPRICES = 4
 
 
