@@ -38,8 +38,17 @@ LAYOUTS = ("megatron", "fsdp+tp", "fsdp+tp+seq", "fsdp-all")
 SHAPES = {
     "8B": dict(d_model=4096, n_heads=32, n_kv_heads=8, n_layers=32, d_ff=14336, batch=64),
     "70B": dict(d_model=8192, n_heads=64, n_kv_heads=8, n_layers=80, d_ff=28672, batch=256),
-    "Mixtral": dict(d_model=4096, n_heads=32, n_kv_heads=8, n_layers=32, d_ff=14336, batch=64,
-                    n_experts=8, top_k=2, vocab=32000),
+    "Mixtral": dict(
+        d_model=4096,
+        n_heads=32,
+        n_kv_heads=8,
+        n_layers=32,
+        d_ff=14336,
+        batch=64,
+        n_experts=8,
+        top_k=2,
+        vocab=32000,
+    ),
 }
 MOE_LAYOUTS = (*LAYOUTS, "ep+fsdp")
 # per device count: (model shape, mesh shape, mesh axes); "data" carries the batch and
@@ -56,7 +65,7 @@ SLACK = 1.1
 SEARCH_DOC = (
     "The search (`search=True`) from the batch hint and from no hints at all, with each hand "
     "layout's compiled memory plus 10% (the estimate's tolerance) as `memory_budget`. "
-    "\"fits\": the searched plan's compiled memory is within the budget; \"bytes vs it\": its "
+    '"fits": the searched plan\'s compiled memory is within the budget; "bytes vs it": its '
     "compiled collective bytes over those of the hand layout that moves the fewest among "
     "those whose compiled memory is within the budget."
 )
@@ -72,7 +81,8 @@ def hints_for(layout: str, axes: tuple[str, ...], experts: bool = False) -> dict
     data = axes[:-1] if len(axes) > 2 else axes[0]
     every = axes
     if layout == "fsdp-all":
-        col, row, embed, head, batch = (None, every, None), (None, None, every), P(every, None), P(None, every), P(every)  # fmt: skip
+        col, row = (None, every, None), (None, None, every)
+        embed, head, batch = P(every, None), P(None, every), P(every)
     else:
         fsdp = data if layout != "megatron" else None
         col, row, embed, head = (None, fsdp, tp), (None, tp, fsdp), P(tp, fsdp), P(fsdp, tp)
@@ -257,8 +267,12 @@ def main(argv=None) -> None:
     parser.add_argument("--devices", default="64", help="device counts, e.g. 64,256,1024")
     parser.add_argument("--fast", action="store_true", help="2 layers of each shape")
     parser.add_argument("--models", default="", help="shapes to run, e.g. 8B,Mixtral (all)")
-    parser.add_argument("--search", default="all", choices=("all", "tight", "none"),
-                        help="searches: every budget, the tightest from the batch hint, none")
+    parser.add_argument(
+        "--search",
+        default="all",
+        choices=("all", "tight", "none"),
+        help="searches: every budget, the tightest from the batch hint, none",
+    )
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # one count, in-process
     args = parser.parse_args(argv)
     if args.one:

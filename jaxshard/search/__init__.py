@@ -19,13 +19,13 @@ Outline, module by module:
    state (FSDP/ZeRO-3: gathered at each use, the gathered copy alive from the first use
    to the last). Each decision picks one candidate (unsharded, or one mesh axis dividing
    all its sizes; a class holding a data argument's dim, the unhinted batch, may also
-   take any two or more axes at once whose sizes' product divides it); a dim whose factor
-   fewer axes divide than its class (8 key heads repeated into 64 query heads on a
-   32-way axis) is cut from that factor rather than narrowing the class; costs come from the rules (a sharded reduction factor leaves
-   its results partial: an all-reduce; a sharded need-replication factor gathers its
-   operands; one axis may not shard two dims; with ``CostModel(flops=...)`` each
-   equation's FLOPs over the devices that split it), and
-   equations with the same rule and decisions count once with their multiplicity, so a
+   take any two or more axes at once whose sizes' product divides it); a dim whose
+   factor fewer axes divide than its class (8 key heads repeated into 64 query heads on
+   a 32-way axis) is cut from that factor rather than narrowing the class; costs come
+   from the rules (a sharded reduction factor leaves its results partial: an all-reduce;
+   a sharded need-replication factor gathers its operands; one axis may not shard two
+   dims; with ``CostModel(flops=...)`` each equation's FLOPs over the devices that split
+   it), and equations with the same rule and decisions count once with their multiplicity, so a
    48-layer model costs little more than a 12-layer one.
 2. `memory` prices per-device memory (a mixin of the problem): arguments, results and the
    live activations at an equation, per joint choice of the decisions they depend on;
@@ -159,7 +159,7 @@ def search_hints(
                     f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
                 if target is None or memory.total <= target:
                     found = Settled(plan, memory, choice, optimal, status)
-                    return _repriced(problem, found, target, propagated, tried, t0, time_limit, say)
+                    return _repriced(problem, found, target, propagated, t0, time_limit, say)
                 if not optimal:
                     # the time limit stopped the solver over the budget: a budget is a
                     # promise, so the layout of least memory instead (a smaller problem,
@@ -218,7 +218,7 @@ MISPRICED = 1.1
 REPRICES = 4
 
 
-def _repriced(problem, found: Settled, target, propagated, tried, t0, time_limit, say) -> Settled:
+def _repriced(problem, found: Settled, target, propagated, t0, time_limit, say) -> Settled:
     """``found``, or a layout that moves fewer bytes once propagated: the class model
     prices each decision from the rules, and where propagation resolves a layout into more
     collectives than the model counted (classes cut apart meeting again, a conflict
@@ -248,6 +248,8 @@ def _repriced(problem, found: Settled, target, propagated, tried, t0, time_limit
     best = min(fits, key=lambda f: step_bytes(f.plan))
     problem.excluded.clear()
     return best
+
+
 # seconds the smallest-memory search may take past a time limit that stopped the solver
 # over its budget (a layout over its budget is never returned)
 RESCUE_SECONDS = 5.0

@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 
-from jaxshard.graph import elementwise_reach
 from jaxshard.cost import (  # noqa: F401 (fused_liveness re-exported)
     Liveness,
     MemoryEstimate,
@@ -17,6 +16,7 @@ from jaxshard.cost import (  # noqa: F401 (fused_liveness re-exported)
     nbytes,
     per_device_bytes,
 )
+from jaxshard.graph import elementwise_reach
 
 
 class MemoryModel:
@@ -45,7 +45,7 @@ class MemoryModel:
                 by_sig[key] = [v, 1]
             else:
                 hit[1] += 1
-        for (refs, shape, dtype, inner, fills), (v, count) in by_sig.items():
+        for (refs, _, _, inner, fills), (v, count) in by_sig.items():
             free = {r for r in refs if type(r) is int}
             if inner is not None:
                 free.update(r for r in self.refs(inner) if type(r) is int)
@@ -123,7 +123,10 @@ class MemoryModel:
         return free
 
     def _tied_arg(self) -> dict[int, int]:
-        return {o: i for i, o in self.graph.ties}
+        table = self.__dict__.get("_tied_cache")
+        if table is None:
+            table = self.__dict__["_tied_cache"] = {o: i for i, o in self.graph.ties}
+        return table
 
     def _result_bytes(self, o: int, choice) -> float:
         """Per-device bytes of result ``o`` under a choice (a tied result is laid out
