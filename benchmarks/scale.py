@@ -138,19 +138,12 @@ def measure(devices: int, fast: bool, models_: str = "", search: str = "all") ->
                 row["error"] = f"n/a: a batch of {batch} does not split over {devices} devices"
                 rows.append(row)
                 continue
-            try:
-                start = time.perf_counter()
-                step = jaxshard.auto_shard(mesh, hints)(w.step)
-                plan = step.plan(*w.args)
-                row["plan_s"] = time.perf_counter() - start
-                row["predicted"] = plan.predicted_bytes
-                row["estimated"] = plan.estimated_memory.total
-                ours = compiled_cost(step.lower(*w.args).compile(), mesh)
-                row["bytes"], row["memory"] = ours.bytes, ours.memory
-                alone = compiled_cost(shardy_alone(w.step, w.args, mesh, hints).compile(), mesh)
-                row["xla_bytes"], row["xla_memory"] = alone.bytes, alone.memory
-            except Exception as e:  # noqa: BLE001 - a row that fails says so in the table
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            if measured(row, jaxshard.auto_shard(mesh, hints)(w.step), w, mesh):
+                try:
+                    alone = shardy_alone(w.step, w.args, mesh, hints).compile()
+                    row["xla_bytes"], row["xla_memory"] = compiled_cost(alone, mesh)
+                except Exception as e:  # noqa: BLE001 - a row that fails says so in the table
+                    _failed(row, e)
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
         if search != "none":
@@ -160,13 +153,36 @@ def measure(devices: int, fast: bool, models_: str = "", search: str = "all") ->
     return rows
 
 
+def measured(row: dict, step, w, mesh) -> bool:
+    """Plan ``step`` (an `auto_shard` wrapper) on the workload's arguments and compile
+    it, filling ``row``: planning seconds, predicted bytes, estimated memory, compiled
+    bytes and memory; or the error, when planning or compiling fails (False)."""
+    from jaxshard.baseline import compiled_cost
+
+    try:
+        start = time.perf_counter()
+        plan = step.plan(*w.args)
+        row["plan_s"] = time.perf_counter() - start
+        row["predicted"] = plan.predicted_bytes
+        row["estimated"] = plan.estimated_memory.total
+        ours = compiled_cost(step.lower(*w.args).compile(), mesh)
+        row["bytes"], row["memory"] = ours.bytes, ours.memory
+    except Exception as e:  # noqa: BLE001 - a row that fails says so in the table
+        _failed(row, e)
+        return False
+    return True
+
+
+def _failed(row: dict, e: Exception) -> None:
+    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
 def search_rows(w, mesh, axes, hand: list[dict], tight: bool = False) -> list[dict]:
     """The search from the batch hint and from no hints, with each hand layout's compiled
     memory plus the estimate's 10% tolerance as budget: the plan's compiled memory and
     bytes against the hand layouts that fit that budget once compiled. ``tight``: the
     smallest budget, from the batch hint, only."""
     import jaxshard
-    from jaxshard.baseline import compiled_cost
 
     rows = []
     budgets = sorted({round(SLACK * r["memory"]) for r in hand})
@@ -179,17 +195,8 @@ def search_rows(w, mesh, axes, hand: list[dict], tight: bool = False) -> list[di
                    "axes": best["axes"], "budget": budget, "hinted": hinted,
                    "best": best["layout"], "best_bytes": best["bytes"],
                    "best_memory": best["memory"]}  # fmt: skip
-            try:
-                start = time.perf_counter()
-                step = jaxshard.auto_shard(mesh, hints, search=True, memory_budget=budget)(w.step)
-                plan = step.plan(*w.args)
-                row["plan_s"] = time.perf_counter() - start
-                row["predicted"] = plan.predicted_bytes
-                row["estimated"] = plan.estimated_memory.total
-                ours = compiled_cost(step.lower(*w.args).compile(), mesh)
-                row["bytes"], row["memory"] = ours.bytes, ours.memory
-            except Exception as e:  # noqa: BLE001 - a row that fails says so in the table
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            step = jaxshard.auto_shard(mesh, hints, search=True, memory_budget=budget)(w.step)
+            measured(row, step, w, mesh)
             print(json.dumps(row), file=sys.stderr, flush=True)
             rows.append(row)
     return rows

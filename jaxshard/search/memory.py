@@ -11,6 +11,7 @@ import numpy as np
 from jaxshard.cost import (  # noqa: F401 (fused_liveness re-exported)
     Liveness,
     MemoryEstimate,
+    buffer_bytes,
     fused_liveness,
     memory_estimate,
     nbytes,
@@ -128,7 +129,7 @@ class MemoryModel:
             table = self.__dict__["_tied_cache"] = {o: i for i, o in self.graph.ties}
         return table
 
-    def _result_bytes(self, o: int, choice) -> float:
+    def _result_bytes(self, o: int, choice) -> int:
         """Per-device bytes of result ``o`` under a choice (a tied result is laid out
         as its argument is stored)."""
         g = self.graph
@@ -137,24 +138,15 @@ class MemoryModel:
         lay = self.leaf_layout(i, choice) if i is not None else None
         if lay is None:
             lay = [self.axes(x, choice) for x in self.refs(r)]
-        return nbytes(g.shapes[r], g.dtypes[r]) / math.prod(self.sizes[a] for x in lay for a in x)
+        return per_device_bytes(g.shapes[r], g.dtypes[r], lay, self.sizes)
 
-    def _buffer(self, v: int, inner: int | None, fills: tuple[int, ...], choice) -> float:
+    def _buffer(self, v: int, inner: int | None, fills: tuple[int, ...], choice) -> int:
         """Per-device bytes of intermediate ``v``'s buffer under a choice
         (`jaxshard.cost.buffer_bytes`, and 0 when a result's buffer holds it)."""
-        g = self.graph
-        own = nbytes(g.shapes[v], g.dtypes[v]) / math.prod(
-            self.sizes[a] for r in self.refs(v) for a in self.axes(r, choice)
-        )
-        if inner is None:
-            return own
-        each = nbytes(g.shapes[inner], g.dtypes[inner]) / math.prod(
-            self.sizes[a] for r in self.refs(inner) for a in self.axes(r, choice)
-        )
-        size = max(own, g.shapes[v][0] * each)
-        if any(math.isclose(self._result_bytes(o, choice), size) for o in fills):
-            return 0.0
-        return size
+        dims = {u: tuple(self.axes(r, choice) for r in self.refs(u)) for u in (v, inner)
+                if u is not None}  # fmt: skip
+        size = buffer_bytes(self.graph, v, dims, self.sizes, self.live)
+        return 0 if any(self._result_bytes(o, choice) == size for o in fills) else size
 
     def _static_memory(self) -> float:
         """Bytes of arguments and results that no decision touches."""
