@@ -13,9 +13,12 @@ from jaxshard.errors import JaxshardBug, JaxshardWarning, ShardingError
 from jaxshard.pipeline import Pipeline
 from jaxshard.plan import Plan, Reshard, make_plan
 from jaxshard.search import SearchResult, search_hints
+from jaxshard.strategy import Candidate, Strategy, auto_parallel
+from jaxshard.topology import Topology
 
 __all__ = [
     "AutoShard",
+    "Candidate",
     "CostModel",
     "JaxshardBug",
     "JaxshardWarning",
@@ -24,6 +27,9 @@ __all__ = [
     "Reshard",
     "SearchResult",
     "ShardingError",
+    "Strategy",
+    "Topology",
+    "auto_parallel",
     "auto_shard",
     "hint",
     "make_plan",

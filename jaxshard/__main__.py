@@ -7,7 +7,12 @@ function that have no rule. ``python -m jaxshard explain examples/gpt.py:factory
 and reports every collective the plan did not predict (exit 1 on a surprise);
 ``report -o plan.html`` writes the HTML report. With ``--search`` (and optionally
 ``--memory-budget 2GiB``) the layouts the hints leave free are searched
-(`jaxshard.search`) and ``explain`` prints the search's summary first. A factory
+(`jaxshard.search`) and ``explain`` prints the search's summary first. ``python -m
+jaxshard strategy examples/gpt.py:factory --devices 1024 --memory 80GiB [--topology
+h100:128] [--hint 'batch/.*=data']`` chooses the mesh and the parallelism for that many
+devices (`jaxshard.auto_parallel`, planning only: no devices needed) and prints the
+ranked candidates; its hints name the roles ``data``, ``fsdp``, ``tensor`` (the
+factory's own hints are for its own mesh and are not used). A factory
 returns ``(fn, args)`` or
 ``(fn, args, hints)``; args may be `jax.ShapeDtypeStruct`s. The mesh is made of the
 default devices, or of simulated CPU devices when there are fewer than it needs.
@@ -126,6 +131,57 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def parse_topology(text: str):
+    """A ``--topology`` argument: ``uniform``, ``h100:NODES`` or
+    ``tpu:VERSION:CHIPS[:SLICES]``.
+
+    Example:
+        >>> parse_topology("h100:2").devices, parse_topology("tpu:v5p:256:2").devices
+        (16, 512)
+    """
+    from jaxshard.errors import ShardingError
+    from jaxshard.topology import Topology
+
+    kind, *rest = text.split(":")
+    try:
+        if kind == "uniform" and not rest:
+            return None
+        if kind == "h100" and len(rest) == 1 and rest[0].isdigit():
+            return Topology.h100(nodes=int(rest[0]))
+        if kind == "tpu" and len(rest) in (2, 3) and all(r.isdigit() for r in rest[1:]):
+            return Topology.tpu(rest[0], *map(int, rest[1:]))
+    except ShardingError as e:
+        raise argparse.ArgumentTypeError(f"--topology {text!r}: {e}") from None
+    raise argparse.ArgumentTypeError(
+        f"--topology {text!r}: write uniform, h100:NODES (e.g. h100:8) or "
+        "tpu:VERSION:CHIPS[:SLICES] (e.g. tpu:v5p:1024)"
+    )
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive device count")
+    return int(text)
+
+
+def strategy_command(args) -> int:
+    """``jaxshard strategy``: `auto_parallel` for a device count; prints its explanation."""
+    from jaxshard.errors import ShardingError
+    from jaxshard.strategy import auto_parallel
+
+    fn, fn_args, _ = load_factory(args.target)
+    try:
+        strategy = auto_parallel(
+            fn, *fn_args, devices=args.devices, memory_per_device=args.memory,
+            topology=args.topology, hints=dict(args.hint),
+        )  # fmt: skip
+    except ShardingError as e:
+        print(f"jaxshard strategy: {e}", file=sys.stderr)
+        return 2
+    print(strategy.explain())
+    return 0
+
+
 def load_factory(target: str):
     """Call ``path/to/file.py:name`` or ``package.module:name`` and return its result.
 
@@ -216,7 +272,21 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(
                 "-o", "--output", default="jaxshard-report.html", help="where to write the page"
             )
+    p = sub.add_parser("strategy", help="choose the mesh and parallelism for a device count")
+    p.add_argument("target", help="MODULE:FACTORY returning (fn, args) or (fn, args, hints)")
+    p.add_argument("--devices", type=_positive_int, required=True, help="device count")
+    p.add_argument("--memory", type=parse_bytes, required=True, help="per device, e.g. 80GiB")
+    p.add_argument(
+        "--topology", type=parse_topology, default=None,
+        help="uniform (default), h100:NODES or tpu:VERSION:CHIPS[:SLICES]",
+    )  # fmt: skip
+    p.add_argument(
+        "--hint", type=parse_hint, action="append", default=[],
+        help="REGEX=SPEC naming roles data, fsdp, tensor, e.g. 'batch/.*=data'",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.command == "strategy":
+        return strategy_command(args)
     if args.command == "rules":
         from jaxshard.rule import covered_primitives
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxshard.annotate import ExactPath, pin_from_spec
 from jaxshard.cost import CostModel
@@ -159,8 +159,11 @@ class AutoShard:
             options = Options.of("AutoShard", kwargs)
         elif kwargs:
             raise TypeError(f"AutoShard: give options= or keywords, not both ({sorted(kwargs)})")
-        if not isinstance(mesh, Mesh):
-            raise ShardingError(f"auto_shard needs a jax.sharding.Mesh, got {type(mesh).__name__}")
+        if not isinstance(mesh, (Mesh, AbstractMesh)):
+            raise ShardingError(
+                f"auto_shard needs a jax.sharding.Mesh (or an AbstractMesh, to plan only), "
+                f"got {type(mesh).__name__}"
+            )
         if hints is not None and not isinstance(hints, Mapping):
             raise ShardingError(
                 "hints must map path regexes to PartitionSpecs, e.g. {r'batch/.*': P('data')}; "
@@ -411,6 +414,7 @@ class AutoShard:
         Example:
             >>> hlo = step.lower(params, opt_state, batch).compile().as_text()  # doctest: +SKIP
         """
+        self._needs_devices("lower")
         entry, flat, _, _ = self._entry(args, kwargs)
         abstract = [
             jax.ShapeDtypeStruct(
@@ -423,6 +427,7 @@ class AutoShard:
         return entry.lower(abstract)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._needs_devices("run")
         entry, flat, _, _ = self._entry(args, kwargs)
         placed = [_place(x, s) for x, s in zip(flat, entry.lowered.in_shardings)]
         outs = entry(placed)
@@ -430,6 +435,15 @@ class AutoShard:
             entry.lowered.plan.traced.out_tree, self._to_caller_mesh(outs)
         )
         return out if entry.out_static is None else entry.out_static.combine(out)
+
+    def _needs_devices(self, what: str) -> None:
+        if isinstance(self.mesh, AbstractMesh):
+            raise ShardingError(
+                f"cannot {what} a step planned on an AbstractMesh {dict(self.mesh.shape)} (a "
+                "device count, no devices): plan(...) and its explain() work; to "
+                f"{what} it, plan on a jax.sharding.Mesh of real devices (e.g. "
+                "auto_parallel(..., devices=jax.devices()))"
+            )
 
     def _to_caller_mesh(self, arrays: Sequence[Any]) -> list[Any]:
         """Arrays on the plan's Auto view handed back on the caller's (Explicit) mesh."""
@@ -463,6 +477,7 @@ class AutoShard:
             ...     return params, optimizer.init(params)
             >>> params, opt_state = step.init_sharded(init, key, rest=(batch,))  # doctest: +SKIP
         """
+        self._needs_devices("initialize arrays for")
         sink: dict = {}
         make = _arrays_only(init_fn, sink) if self.static_leaves else init_fn
         with jax.set_mesh(auto_view(self.mesh)):  # Flax's eager sharding wants a mesh

@@ -23,7 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxshard.annotate import match_hints
 from jaxshard.graph import tied_results
-from jaxshard.hlo import compiled_collectives
+from jaxshard.cost import CostModel, StepTime
+from jaxshard.hlo import compiled_collectives, compiled_flops
 from jaxshard.lattice import to_spec
 from jaxshard.plan import auto_view, mesh_axis_sizes
 from jaxshard.trace import trace_on_mesh
@@ -47,6 +48,25 @@ def compiled_cost(compiled: Any, mesh: Mesh) -> CompiledCost:
     found = compiled_collectives(compiled.as_text(), mesh)
     moved = sum(c.ring_bytes * (1 if c.runs is None else c.runs) for c in found)
     return CompiledCost(moved, compiled_memory(compiled))
+
+
+def compiled_step_time(compiled: Any, mesh: Mesh, model: CostModel) -> StepTime:
+    """The step time `jaxshard.cost.step_time` estimates, read from a compiled program:
+    its matrix multiplies' FLOPs per device (`jaxshard.hlo.compiled_flops`) over
+    ``model.flops``, and each collective XLA inserted priced on the axes it spans.
+
+    Example:
+        >>> compiled_step_time(step.lower(*args).compile(), mesh, model).total  # doctest: +SKIP
+        0.81
+    """
+    text = compiled.as_text()
+    compute = compiled_flops(text) / model.flops if model.flops else 0.0
+    comm: dict[tuple[str, ...], float] = {}
+    for c in compiled_collectives(text, mesh):
+        key = tuple(sorted(c.axes))
+        runs = 1 if c.runs is None else c.runs
+        comm[key] = comm.get(key, 0.0) + model.collective_time(key, c.ring_bytes) * runs
+    return StepTime(compute, comm)
 
 
 def compiled_memory(compiled: Any) -> int:

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 from jax.extend.core import Literal
+from jax.sharding import AbstractMesh
 
 from jaxshard.graph import AppKind, elementwise_reach, find_root
 from jaxshard.lattice import DimSharding
@@ -275,6 +276,8 @@ def has_reduce_scatter(mesh) -> bool:
         >>> has_reduce_scatter(jax.make_mesh((1,), ("data",)))  # on a CPU
         False
     """
+    if isinstance(mesh, AbstractMesh):
+        return True
     devices = getattr(mesh, "devices", None)
     platform = getattr(getattr(devices, "flat", [None])[0], "platform", None)
     return platform != "cpu"
@@ -553,6 +556,39 @@ def compute_flops(plan) -> float:
         total += work / math.prod(sizes[ax] for ax in axes) * runs[a]
     return total
 
+
+
+class StepTime(NamedTuple):
+    """A plan's estimated seconds per call: compute, and communication per set of mesh
+    axes its collectives run over."""
+
+    compute: float
+    communication: Mapping[tuple[str, ...], float]
+
+    @property
+    def total(self) -> float:
+        """Compute plus communication, one after the other (no overlap assumed)."""
+        return self.compute + sum(self.communication.values())
+
+
+def step_time(plan, model: CostModel) -> StepTime:
+    """The estimated seconds of one call of ``plan`` under ``model``: its contractions'
+    FLOPs per device (`compute_flops`) over ``model.flops`` (0 without them), and each
+    predicted collective's time (bandwidth and latency of the axes it runs over) times
+    the times it runs.
+
+    Example:
+        >>> step_time(plan, CostModel(flops=100e12)).total  # doctest: +SKIP
+        0.0123
+    """
+    compute = compute_flops(plan) / model.flops if model.flops else 0.0
+    comm: dict[tuple[str, ...], float] = {}
+    moved = [(s.axes, s.ring_bytes, r.runs) for r in plan.reshards for s in r.steps]
+    moved += [(c.axes, c.ring_bytes, c.runs) for c in plan.written]
+    for axes, sent, runs in moved:
+        key = tuple(sorted(axes))
+        comm[key] = comm.get(key, 0.0) + model.collective_time(axes, sent) * runs
+    return StepTime(compute, comm)
 
 # --- memory --------------------------------------------------------------------------
 

@@ -376,3 +376,45 @@ def compiled_collectives(hlo_text: str, mesh) -> list[Collective]:
                 sizes = sizes[:1]
             out.extend(Collective(kind, axes, local, size, times) for local in sizes)
     return out
+
+
+_DEFINED = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\w+\[([\d,]*)\]")
+_DOT = re.compile(r"\bdot\(%([\w.\-]+), %([\w.\-]+)\).*?lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def compiled_flops(hlo_text: str) -> float:
+    """FLOPs per device per call of the matrix multiplies in compiled HLO text: each
+    ``dot`` counts 2 x (its result's elements) x (its contracted size), times the times
+    its computation runs (`computation_runs`: a loop body once per iteration, where XLA's
+    own ``cost_analysis`` counts it once). A computation under a loop of unknown trip
+    count counts once.
+
+    Example:
+        >>> text = '''
+        ... ENTRY %main (a: f32[8,4], b: f32[4,2]) -> f32[8,2] {
+        ...   %a = f32[8,4]{1,0} parameter(0)
+        ...   %b = f32[4,2]{1,0} parameter(1)
+        ...   ROOT %d = f32[8,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+        ... }'''
+        >>> compiled_flops(text)  # 2 * 16 * 4
+        128.0
+    """
+    comps, _ = computations(hlo_text)
+    runs = computation_runs(hlo_text)
+    total = 0.0
+    for name, lines in comps.items():
+        shapes = {}
+        for line in lines:
+            m = _DEFINED.match(line)
+            if m:
+                shapes[m.group(1)] = [int(d) for d in m.group(2).split(",") if d]
+        for line in lines:
+            dot = _DOT.search(line)
+            defined = _DEFINED.match(line)
+            if dot is None or defined is None or dot.group(1) not in shapes:
+                continue
+            lhs = shapes[dot.group(1)]
+            contracted = math.prod(lhs[int(i)] for i in dot.group(3).split(",") if i)
+            result = math.prod(shapes[defined.group(1)])
+            total += 2.0 * result * contracted * (runs.get(name) or 1)
+    return total

@@ -203,6 +203,15 @@ def scan_counts(params: dict) -> tuple[int, int]:
     return len(list(consts)), len(list(carry))
 
 
+def mesh_context(mesh: Any) -> Any:
+    """The context that makes ``mesh`` current while tracing: ``jax.set_mesh`` for a
+    `Mesh`, ``use_abstract_mesh`` for an `AbstractMesh` (planning for devices this
+    process does not have)."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return jax.sharding.use_abstract_mesh(mesh)
+    return jax.set_mesh(mesh)
+
+
 def context_on_mesh(ctx: Any, mesh: Any) -> Any:
     """An equation context like ``ctx`` (compute type, RNG mode, XLA metadata, ...)
     whose current abstract mesh is ``mesh``: made the way JAX makes one, from the

@@ -255,7 +255,7 @@ def intercepting(
         yield None
         return
     pipeline.check_mesh(mesh.axis_names)
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     seen = Interception(pipeline, sizes[pipeline.axis], sizes, tuple(replicas))
     global _PLANNING
     outer = getattr(_ACTIVE, "value", None)

@@ -107,7 +107,7 @@ def mesh_axis_sizes(mesh: Mesh) -> dict[str, int]:
         >>> mesh_axis_sizes(jax.make_mesh((1,), ("data",)))
         {'data': 1}
     """
-    return dict(zip(mesh.axis_names, mesh.devices.shape))
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))
 
 
 # The stages above the plan (explaining, verifying) register their entry points here, so
@@ -1237,7 +1237,7 @@ def record_of(traced: Traced, graph: Graph, mesh: Mesh) -> dict:
     return {
         "format": PLAN_FORMAT,
         "version": PLAN_VERSION,
-        "mesh": {"axes": list(mesh.axis_names), "sizes": list(mesh.devices.shape)},
+        "mesh": {"axes": list(mesh.axis_names), "sizes": list(mesh.axis_sizes)},
         "inputs": [leaf(n, v) for n, v in zip(traced.in_names, graph.in_vids)],
         "outputs": [leaf(n, v) for n, v in zip(traced.out_names, graph.out_vids)],
         "values": len(graph.shapes),

@@ -25,10 +25,11 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from jaxshard.errors import ShardingError
+from jaxshard.jax_compat import mesh_context
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,10 @@ def auto_view(mesh: Mesh) -> Mesh:
     """
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
+    if isinstance(mesh, AbstractMesh):  # planning for devices this process does not have
+        return AbstractMesh(
+            mesh.axis_sizes, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names)
+        )
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
@@ -228,7 +233,7 @@ def trace_on_mesh(fn: Callable, args: tuple, kwargs: dict, mesh: Mesh) -> Traced
     errors: list[Exception] = []
     for on, shardings in attempts:
         try:
-            with jax.set_mesh(on):
+            with mesh_context(on):
                 traced = trace(fn, args, kwargs, shardings)
         except Exception as e:  # noqa: BLE001 (the next attempt decides; all failing re-raises)
             errors.append(e)

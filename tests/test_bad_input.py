@@ -340,12 +340,19 @@ def test_keyword_argument_paths(mesh):
 # --- meshes ------------------------------------------------------------------------------
 
 
-def test_abstract_mesh_is_not_a_mesh():
+def test_abstract_mesh_plans_but_does_not_run_or_lower():
     abstract = jax.make_mesh((2, 4), ("data", "model")).abstract_mesh
-    with pytest.raises(
-        ShardingError, match=r"auto_shard needs a jax.sharding.Mesh, got AbstractMesh"
-    ):
-        jaxshard.auto_shard(abstract)(f)
+    step = jaxshard.auto_shard(abstract, {"batch/x": P("data")})(f)
+    assert step.plan(*ARGS).in_specs[1] == {"x": P("data")}
+    x = ({"w": np.ones((12, 16), np.float32)}, {"x": np.ones((8, 12), np.float32)})
+    for action in (lambda: step(*x), lambda: step.lower(*ARGS)):
+        with pytest.raises(ShardingError, match=r"planned on an AbstractMesh .*real devices"):
+            action()
+
+
+def test_a_mesh_that_is_no_mesh_at_all():
+    with pytest.raises(ShardingError, match=r"auto_shard needs a jax.sharding.Mesh .*got tuple"):
+        jaxshard.auto_shard((2, 4))(f)
 
 
 def test_mesh_on_a_subset_of_devices(mesh):

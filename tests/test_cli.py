@@ -243,3 +243,28 @@ def test_command_line_parsers_accept_or_explain_any_text(text):
             parse(text)
         except argparse.ArgumentTypeError as e:
             assert repr(text) in str(e) or repr(text.strip()) in str(e) or "spec" in str(e)
+
+
+def test_strategy_command_plans_for_a_device_count(capsys):
+    assert main(["strategy", "examples/gpt.py:factory", "--devices", "16", "--memory", "1GiB",
+                 "--topology", "h100:2", "--hint", "batch/.*=data"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "auto_parallel: 16 devices" in out and "winner:" in out and "NVLink" in out
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["--topology", "h100"], "write uniform, h100:NODES"),
+        (["--topology", "tpu:v9:8"], "known versions"),
+        (["--devices", "0"], "not a positive device count"),
+    ],
+    ids=["topology-form", "tpu-version", "devices"],
+)
+def test_strategy_command_rejects_bad_options(capsys, argv, error):
+    base = {"--devices": "16", "--memory": "1GiB"}
+    for flag, value in zip(argv[::2], argv[1::2]):
+        base[flag] = value
+    with pytest.raises(SystemExit):
+        main(["strategy", "examples/gpt.py:factory", *[x for kv in base.items() for x in kv]])
+    assert error in capsys.readouterr().err

@@ -27,7 +27,9 @@ Properties:
 - a scanned layer stack pipelined over stages matches the plain step;
 - the search with ``calibrate_memory`` returns a plan whose compiled program fits its
   memory budget and runs like the unsharded program, or (only for a budget below what
-  the hints alone compile to) says that no layout fits.
+  the hints alone compile to) says that no layout fits;
+- `auto_parallel` chooses a mesh of the 8 devices whose strategy runs like the
+  unsharded program.
 
 Profiles: the default (CI) profile is derandomized: 5 planning properties x 300 examples
 and 100 compile-and-run examples (about a minute on 2 cores).
@@ -404,5 +406,28 @@ def test_calibrated_search_fits_its_budget_once_compiled(case, fraction):
         got = step(inputs)
     assert result.compiled_memory <= budget
     assert result.compiled_memory == compiled_memory(step.lower(inputs).compile())
+    for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(fn)(inputs)))):
+        assert_same_numbers(g, w, f"out/{i}")
+
+
+# --- whole strategies: the mesh chosen too ----------------------------------------------
+
+
+@settings(BASE, max_examples=4 * SCALE)
+@given(case=cases(max_ops=5))
+def test_auto_parallel_strategy_runs_like_the_unsharded_program(case):
+    """`auto_parallel` on all 8 devices with no hints (the case's hints name its own mesh):
+    the winner fits, ranks first among the fitting candidates, and runs like the
+    unsharded program."""
+    fn, inputs = case.fn(), case.inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", jaxshard.JaxshardWarning)
+        strategy = jaxshard.auto_parallel(
+            fn, inputs, devices=jax.devices(), memory_per_device=2**30
+        )
+        got = strategy.auto_shard(fn)(inputs)
+    fitting = [c for c in strategy.candidates if c.fits]
+    assert fitting[0] is strategy.best
+    assert all(strategy.best.seconds_per_step <= c.seconds_per_step for c in fitting)
     for i, (g, w) in enumerate(zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(fn)(inputs)))):
         assert_same_numbers(g, w, f"out/{i}")

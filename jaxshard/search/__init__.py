@@ -54,7 +54,7 @@ from typing import NamedTuple
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxshard.baseline import compiled_memory
-from jaxshard.cost import CostModel, MemoryEstimate, human_bytes, step_bytes
+from jaxshard.cost import CostModel, MemoryEstimate, human_bytes, step_bytes, step_time
 from jaxshard.errors import ShardingError, warn
 from jaxshard.lower import Lowered
 from jaxshard.plan import Plan, gc_paused, plan_from_graph, trace_graph
@@ -159,7 +159,8 @@ def search_hints(
                     f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
                 if target is None or memory.total <= target:
                     found = Settled(plan, memory, choice, optimal, status)
-                    return _repriced(problem, found, target, propagated, t0, time_limit, say)
+                    found = _repriced(problem, found, target, propagated, t0, time_limit, say)
+                    return _relaxed(problem, found, target, propagated, t0, time_limit, say)
                 if not optimal:
                     # the time limit stopped the solver over the budget: a budget is a
                     # promise, so the layout of least memory instead (a smaller problem,
@@ -247,6 +248,54 @@ def _repriced(problem, found: Settled, target, propagated, t0, time_limit, say) 
             fits.append(current)
     best = min(fits, key=lambda f: step_bytes(f.plan))
     problem.excluded.clear()
+    return best
+
+
+RELAXES = 3  # the most solves `_relaxed` adds
+BINDING = 0.98  # a layout whose modeled memory is this near its budget was held back by it
+RELAX_STEP = 1.25  # the least a model budget is raised by
+
+
+def _relaxed(problem, found: Settled, target, propagated, t0, time_limit, say) -> Settled:
+    """``found``, or a faster layout the memory model ruled out: the model over-estimates
+    some layouts (it counts buffers XLA shares), so where the budget held the optimum
+    back, the program is solved again within a model budget raised by the headroom
+    propagation leaves ``found`` (at least ``RELAX_STEP``), and halfway back when the
+    result does not fit once propagated (``RELAXES`` solves at most). Of the layouts
+    propagated within ``target``, the one of least estimated step time is kept."""
+    if target is None or problem.budget is None:
+        return found
+    original = problem.budget
+    best, fitting, failing = found, problem.budget, None
+    seconds = lambda s: step_time(s.plan, problem.cost_model).total  # noqa: E731
+    for _ in range(RELAXES):
+        if time.perf_counter() - t0 >= time_limit:
+            break
+        if failing is None:
+            if problem.memory(best.choice).total < BINDING * fitting:
+                break  # the budget did not bind: the model's optimum stands
+            # the over-estimate is the other layouts', not this one's: step up regardless
+            trial = fitting * max(target / max(best.memory.total, 1), RELAX_STEP)
+        else:
+            trial = (fitting * failing) ** 0.5
+        if trial <= fitting / BINDING:
+            break
+        problem.budget = trial
+        say(f"propagation needs {human_bytes(best.memory.total)} of {human_bytes(target)}: "
+            f"solving again within a model budget of {human_bytes(trial)}")  # fmt: skip
+        try:
+            choice, optimal, status = solve(problem, t0, time_limit, say)
+        except Infeasible:
+            break
+        plan, memory = propagated(choice)
+        if memory.total > target:
+            failing = trial
+            continue
+        fitting = trial
+        candidate = Settled(plan, memory, choice, optimal and found.optimal, status)
+        if seconds(candidate) < seconds(best):
+            best = candidate
+    problem.budget = original
     return best
 
 

@@ -60,7 +60,7 @@ def raise_over_budget(problem, budget, memory: MemoryEstimate, plan: Plan) -> No
     specs = jax.tree.leaves(plan.in_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     shown = [f"{n}: {s}" for n, s in zip(problem.traced.in_names, specs) if tuple(s)]
     size = lambda n: human_bytes(n, 2)  # noqa: E731
-    raise ShardingError(
+    error = ShardingError(
         f"no layout fits the memory budget of {size(budget)} per device: the smallest "
         f"footprint jaxshard finds on this mesh is {size(memory.total)} ({memory.total} bytes) "
         f"per device (arguments {size(memory.arguments)}, results {size(memory.results)}, "
@@ -69,4 +69,6 @@ def raise_over_budget(problem, budget, memory: MemoryEstimate, plan: Plan) -> No
         + ", ".join(shown[:6])
         + (", ..." if len(shown) > 6 else "")
         + ". Raise the budget to at least that, use a larger mesh, or shrink the batch."
-    ) from None
+    )
+    error.footprint = memory  # the smallest estimate found, for callers that weigh meshes
+    raise error from None

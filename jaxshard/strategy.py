@@ -1,0 +1,465 @@
+"""Whole-strategy planning: choose the mesh and the parallelism, not only the layouts.
+
+`auto_parallel` takes a step, its arguments (arrays or `jax.ShapeDtypeStruct`s), a
+device count and a memory limit, and returns a `Strategy`: the mesh, the hints, and the
+ranked candidates it weighed. A candidate is a factorization of the devices into named
+axes, outermost first: ``data`` (the batch), ``fsdp`` (the batch too, with the search
+free to store parameters over it alone), ``tensor`` (the search puts tensor, sequence
+or expert parallelism there), each laid over the topology's levels (`jaxshard.topology`):
+the last axis on the fastest links. For each, the layout search
+(`jaxshard.search.search_hints`) lays every tensor out within the memory limit, and the
+propagated plan is priced by `jaxshard.cost.step_time` (contraction FLOPs over peak
+FLOP/s plus each collective over its axes' links). The candidate of least estimated
+step time that fits wins.
+
+The candidates are searched coarse to fine: every tensor degree on a two-axis mesh
+(``data`` x ``tensor``) first, then, for the two best tensor degrees, every split of
+the batch axes into ``data`` x ``fsdp``. A tensor axis never spans a slow level of a
+multi-level topology (it stays within a node or a slice).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
+
+from jaxshard.api import AutoShard, auto_shard
+from jaxshard.cost import CostModel, MemoryEstimate, StepTime, human_bytes, step_time
+from jaxshard.errors import JaxshardWarning, ShardingError
+from jaxshard.plan import Plan
+from jaxshard.topology import Topology
+
+ROLES = ("data", "fsdp", "tensor")  # mesh axis names, outermost first
+REFINED = 2  # tensor degrees whose batch axes are split into data x fsdp
+SEARCH_SECONDS = 4.0  # the most one mesh's layout search runs (it keeps the best found)
+
+
+@dataclass
+class Candidate:
+    """One strategy weighed: a mesh shape over named axes, its degrees per role, and
+    what the search found on it. ``time`` is the estimated seconds per step (compute +
+    communication), ``memory`` the estimated bytes per device (the smallest footprint
+    found when nothing fit), ``status`` what happened (``"fits"``, ``"over the memory
+    limit"``, or why it could not be planned).
+
+    Example:
+        >>> Candidate((8, 8), ("data", "tensor")).degrees
+        {'data': 8, 'tensor': 8}
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+    status: str = "not searched"
+    time: StepTime | None = None
+    memory: MemoryEstimate | None = None
+    predicted_bytes: float = 0.0
+    hints: dict[str, PartitionSpec] = field(default_factory=dict, repr=False)
+    plan: Plan | None = field(default=None, repr=False)
+    seconds: float = 0.0
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        """Devices per role: ``{'data': 8, 'tensor': 8}``."""
+        return dict(zip(self.axes, self.shape))
+
+    @property
+    def fits(self) -> bool:
+        """Whether the search found a layout within the memory limit."""
+        return self.status == "fits"
+
+    @property
+    def seconds_per_step(self) -> float:
+        """The estimated step time (infinite when nothing was planned)."""
+        return self.time.total if self.time is not None else math.inf
+
+    def describe(self) -> str:
+        """``8x8 (data=8, tensor=8)``."""
+        return "x".join(map(str, self.shape)) + f" ({_degrees(self)})"
+
+
+@dataclass
+class Strategy:
+    """What `auto_parallel` chose: ``mesh`` (a `Mesh` over the devices given, an
+    `AbstractMesh` for a device count), ``hints`` (the user's hints on that mesh),
+    ``cost_model`` (its axes priced by the topology), and every ``candidate`` weighed,
+    best first. ``auto_shard(fn)`` makes the ready step; ``explain()`` says why.
+
+    Example:
+        >>> strategy.mesh.shape  # doctest: +SKIP
+        OrderedDict([('data', 8), ('tensor', 8)])
+    """
+
+    mesh: Mesh | AbstractMesh
+    hints: dict[str, PartitionSpec]
+    cost_model: CostModel
+    candidates: list[Candidate]
+    topology: Topology
+    memory_per_device: float
+    seconds: float
+    options: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def best(self) -> Candidate:
+        """The winning candidate."""
+        return self.candidates[0]
+
+    @property
+    def plan(self) -> Plan:
+        """The winning candidate's plan (as `AutoShard.plan` makes it)."""
+        return self.best.plan
+
+    def auto_shard(self, fn: Callable, **options: Any) -> AutoShard:
+        """``fn`` under `jaxshard.auto_shard` on this strategy's mesh, with its hints, cost
+        model and memory limit (the search lays the arguments out again, as it did for
+        the winner); ``options`` add to or override `auto_parallel`'s.
+
+        Example:
+            >>> step = strategy.auto_shard(train_step)  # doctest: +SKIP
+            >>> params, opt_state, loss = step(params, opt_state, batch)  # doctest: +SKIP
+        """
+        merged = {
+            "search": True,
+            "memory_budget": self.memory_per_device,
+            "cost_model": self.cost_model,
+            **self.options,
+            **options,
+        }
+        return auto_shard(self.mesh, self.hints, **merged)(fn)
+
+    def explain(self) -> str:
+        """The ranked candidates and why the winner won.
+
+        Example:
+            >>> print(strategy.explain())  # doctest: +SKIP
+            auto_parallel: 64 devices, 80.00 GiB per device (H100 x64: ...)
+        """
+        n = math.prod(self.best.shape)
+        searched = [c for c in self.candidates if c.status != "not searched"]
+        lines = [
+            f"auto_parallel: {n} devices, {human_bytes(self.memory_per_device, 2)} per device "
+            f"({self.topology.describe()}); {len(searched)} meshes searched in "
+            f"{self.seconds:.1f} s",
+            "",
+            f"{'rank':>4}  {'mesh':<34} {'step s':>9} {'compute':>9} {'comm':>9} "
+            f"{'memory':>11} {'plan s':>7}  status",
+        ]
+        for i, c in enumerate(self.candidates, 1):
+            if c.time is not None:
+                t = c.time
+                times = f"{t.total:9.4f} {t.compute:9.4f} {t.total - t.compute:9.4f}"
+            else:
+                times = f"{'-':>9} {'-':>9} {'-':>9}"
+            memory = human_bytes(c.memory.total) if c.memory is not None else "-"
+            lines.append(
+                f"{i:>4}  {c.describe():<34} {times} {memory:>11} {c.seconds:7.1f}  {c.status}"
+            )
+        lines += ["", _why(self.best, [c for c in self.candidates[1:] if c.fits])]
+        return "\n".join(lines)
+
+
+def auto_parallel(
+    fn: Callable,
+    *args: Any,
+    devices: Sequence[Any] | int,
+    memory_per_device: float,
+    topology: Topology | None = None,
+    cost_model: CostModel | None = None,
+    hints: Mapping[str, PartitionSpec] | None = None,
+    time_limit: float = 120.0,
+    **options: Any,
+) -> Strategy:
+    """Choose the mesh, the parallelism degrees and every layout for ``fn(*args)`` on
+    ``devices`` (a list of devices, or a count to plan for devices this process does
+    not have: the mesh is then an `AbstractMesh`), keeping the estimated memory per
+    device within ``memory_per_device`` bytes (module docstring: the candidates and how
+    they are searched).
+
+    ``topology`` says which devices share fast links (`jaxshard.Topology`; by default
+    every pair alike, at ``cost_model``'s figures). ``cost_model`` overrides the
+    topology's per-level pricing with one uniform model. ``hints`` constrain the choice:
+    they name the roles ``data`` (on a mesh with an ``fsdp`` axis it stands for both
+    batch axes), ``fsdp``, ``tensor``, and a hint naming a role the mesh lacks leaves
+    that dim unsharded. So ``{"batch/.*": P("data")}`` fixes the batch to the data
+    axes whatever their size. Other ``options`` go to every `auto_shard` (e.g.
+    ``logical_axis_rules``, ``static_argnums``). Stops weighing candidates after
+    ``time_limit`` seconds, with a warning, keeping the best found.
+
+    When no candidate fits, a `ShardingError` gives the smallest footprint found and
+    what would make it fit.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> def loss(w, x):
+        ...     return jnp.mean(jnp.tanh(x @ w["a"]) @ w["b"])
+        >>> w = {"a": jax.ShapeDtypeStruct((256, 1024), jnp.float32),
+        ...      "b": jax.ShapeDtypeStruct((1024, 256), jnp.float32)}
+        >>> x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+        >>> strategy = auto_parallel(jax.grad(loss), w, x, devices=8,
+        ...                          memory_per_device=2**30, hints={"x": P("data")})
+        >>> strategy.best.fits, len(strategy.candidates) > 3
+        (True, True)
+    """
+    t0 = time.perf_counter()
+    device_list, n = _devices(devices)
+    if not memory_per_device > 0:
+        raise ShardingError(
+            f"auto_parallel(memory_per_device={memory_per_device!r}): give the bytes each "
+            "device holds, e.g. 80 * 2**30"
+        )
+    if topology is None:
+        topology = Topology.uniform(cost_model or CostModel())
+    if topology.devices is not None and topology.devices != n:
+        raise ShardingError(
+            f"the topology {topology.name!r} has {topology.devices} devices, but "
+            f"auto_parallel was given {n}; describe the devices given (e.g. "
+            f"Topology.h100(nodes={max(n // 8, 1)}) for {n} H100s)"
+        )
+    hints = dict(hints or {})
+    _check_roles(hints)
+
+    def weigh(c: Candidate) -> None:
+        start = time.perf_counter()
+        mesh = _mesh(device_list, c.shape, c.axes)
+        model = _priced(topology, cost_model, c)
+        on_mesh = hints_on(hints, c.axes)
+        step = auto_shard(
+            mesh,
+            on_mesh,
+            search=True,
+            memory_budget=memory_per_device,
+            cost_model=model,
+            search_time_limit=max(1.0, min(SEARCH_SECONDS, time_limit - (start - t0))),
+            **options,
+        )(fn)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", JaxshardWarning)
+                plan = step.plan(*args)
+        except ShardingError as e:
+            c.memory = getattr(e, "footprint", None)
+            first = str(e).split(": ", 1)[0] if c.memory is not None else _first_line(e)
+            c.status = "over the memory limit" if c.memory is not None else f"n/a: {first}"
+        else:
+            c.status = "fits"
+            c.plan, c.memory, c.hints = plan, plan.estimated_memory, on_mesh
+            c.time, c.predicted_bytes = step_time(plan, model), plan.predicted_bytes
+        c.seconds = time.perf_counter() - start
+
+    candidates = [Candidate(*_named((n // t, t))) for t in _tensor_degrees(n, topology)]
+    stopped = False
+    for c in candidates:
+        if time.perf_counter() - t0 > time_limit:
+            stopped = True
+            break
+        weigh(c)
+    # a mesh whose batch axes the hints could not use fails the same way split in two
+    planned = [c for c in candidates if c.memory is not None]
+    for b in sorted(planned, key=_rank)[:REFINED]:
+        t = b.degrees.get("tensor", 1)
+        for d, f in _splits(n // t):
+            if stopped or time.perf_counter() - t0 > time_limit:
+                stopped = True
+                break
+            c = Candidate(*_named((d, f, t), ROLES))
+            candidates.append(c)
+            weigh(c)
+    candidates.sort(key=_rank)
+    seconds = time.perf_counter() - t0
+    if stopped:
+        warnings.warn(
+            f"auto_parallel stopped weighing candidates after its time limit of {time_limit} s; "
+            "the strategy is the best of those searched. Raise time_limit to weigh them all.",
+            JaxshardWarning,
+            stacklevel=2,
+        )
+    best = candidates[0]
+    if not best.fits:
+        _raise_nothing_fits(candidates, n, memory_per_device)
+    return Strategy(
+        mesh=_mesh(device_list, best.shape, best.axes),
+        hints=best.hints,
+        cost_model=_priced(topology, cost_model, best),
+        candidates=candidates,
+        topology=topology,
+        memory_per_device=memory_per_device,
+        seconds=seconds,
+        options=dict(options),
+    )
+
+
+def hints_on(hints: Mapping[str, PartitionSpec], axes: Sequence[str]) -> dict:
+    """``hints`` written with role names, on a mesh with ``axes``: ``data`` stands for
+    every batch axis the mesh has (``data`` and ``fsdp``), ``fsdp`` for itself or, on a
+    mesh without it, ``data``; a role the mesh lacks leaves the dim unsharded.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> hints_on({"x": P("data", "tensor")}, ("data", "fsdp", "tensor"))
+        {'x': P(('data', 'fsdp'), 'tensor')}
+        >>> hints_on({"x": P("data", "tensor")}, ("tensor",))
+        {'x': P(None, 'tensor')}
+    """
+    present = set(axes)
+    stands = {
+        "data": tuple(a for a in ("data", "fsdp") if a in present),
+        "fsdp": ("fsdp",) if "fsdp" in present else tuple(a for a in ("data",) if a in present),
+        "tensor": ("tensor",) if "tensor" in present else (),
+    }
+    out = {}
+    for key, spec in hints.items():
+        entries = []
+        for entry in spec:
+            if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+                entries.append(entry)
+                continue
+            names = (entry,) if isinstance(entry, str) else tuple(entry)
+            mapped = tuple(dict.fromkeys(a for name in names for a in stands[name]))
+            entries.append(None if not mapped else mapped[0] if len(mapped) == 1 else mapped)
+        out[key] = PartitionSpec(*entries)
+    return out
+
+
+def _check_roles(hints: Mapping[str, PartitionSpec]) -> None:
+    for key, spec in hints.items():
+        if not isinstance(spec, PartitionSpec):
+            raise ShardingError(
+                f"auto_parallel hint {key!r}: {spec!r} is not a PartitionSpec; write e.g. "
+                "{'batch/.*': P('data')}"
+            )
+        for entry in spec:
+            if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+                continue
+            for name in (entry,) if isinstance(entry, str) else entry:
+                if name not in ROLES:
+                    raise ShardingError(
+                        f"auto_parallel hint {key!r}: {spec} names axis {name!r}; hints to "
+                        f"auto_parallel name the roles {ROLES} (it chooses the mesh), e.g. "
+                        "P('data') for the batch"
+                    )
+
+
+def _devices(devices: Sequence[Any] | int) -> tuple[list[Any] | None, int]:
+    if isinstance(devices, bool):
+        raise ShardingError("auto_parallel(devices=...): a list of devices or a device count")
+    if isinstance(devices, (int, np.integer)):
+        if devices < 1:
+            raise ShardingError(f"auto_parallel(devices={devices}): give a positive count")
+        return None, int(devices)
+    listed = list(devices)
+    if not listed:
+        raise ShardingError("auto_parallel(devices=[]): give at least one device")
+    return listed, len(listed)
+
+
+def _mesh(devices: list[Any] | None, shape: tuple[int, ...], axes: tuple[str, ...]):
+    auto = (AxisType.Auto,) * len(axes)
+    if devices is None:
+        return AbstractMesh(shape, axes, axis_types=auto)
+    return Mesh(np.asarray(devices, dtype=object).reshape(shape), axes, axis_types=auto)
+
+
+def _priced(topology: Topology, cost_model: CostModel | None, c: Candidate) -> CostModel:
+    if cost_model is None:
+        return topology.cost_model(c.axes, c.shape)
+    return cost_model if cost_model.flops else replace(cost_model, flops=topology.flops)
+
+
+def _named(shape: tuple[int, ...], roles: tuple[str, ...] = ("data", "tensor")):
+    """A shape over ``roles`` without its size-1 axes (a mesh of one device keeps data)."""
+    kept = [(s, r) for s, r in zip(shape, roles) if s > 1] or [(1, "data")]
+    return tuple(s for s, _ in kept), tuple(r for _, r in kept)
+
+
+def _tensor_degrees(n: int, topology: Topology) -> list[int]:
+    """Divisors of ``n`` a tensor axis may have: within the first level of a topology
+    with more than one (it never crosses nodes or slices)."""
+    divisors = [t for t in range(1, n + 1) if n % t == 0]
+    if len(topology.levels) > 1 and topology.levels[0].size is not None:
+        divisors = [t for t in divisors if topology.levels[0].size % t == 0]
+    return divisors
+
+
+def _splits(batch: int) -> list[tuple[int, int]]:
+    """``(data, fsdp)`` pairs, both above 1, whose product is ``batch``."""
+    return [(d, batch // d) for d in range(2, batch) if batch % d == 0 and batch // d > 1]
+
+
+def _rank(c: Candidate) -> tuple:
+    """Fitting candidates by step time, then the rest by footprint, then the unplanned."""
+    if c.fits:
+        return (0, c.seconds_per_step, c.memory.total)
+    if c.memory is not None:
+        return (1, c.memory.total, 0.0)
+    return (2, 0.0, 0.0)
+
+
+def _degrees(c: Candidate) -> str:
+    return ", ".join(f"{a}={s}" for a, s in zip(c.axes, c.shape))
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _why(best: Candidate, others: list[Candidate]) -> str:
+    t = best.time
+    heaviest = sorted(t.communication.items(), key=lambda kv: -kv[1])[:3]
+    comm = ", ".join(f"{','.join(axes)} {s:.4f} s" for axes, s in heaviest) or "none"
+    text = (
+        f"winner: {best.describe()}: estimated {t.total:.4f} s per step (compute "
+        f"{t.compute:.4f} s; communication by axes: {comm}), "
+        f"{human_bytes(best.memory.total, 2)} per device, "
+        f"{human_bytes(best.predicted_bytes)} of collectives per device per step."
+    )
+    if others:
+        runner = others[0]
+        ratio = runner.seconds_per_step / max(t.total, 1e-12)
+        text += (
+            f" The next that fits, {runner.describe()}, is estimated {ratio:.2f}x slower "
+            f"({runner.seconds_per_step:.4f} s: compute {runner.time.compute:.4f} s, "
+            f"{human_bytes(runner.predicted_bytes)} of collectives)."
+        )
+    else:
+        text += " No other candidate fits the memory limit."
+    return text
+
+
+def _raise_nothing_fits(candidates: list[Candidate], n: int, limit: float) -> None:
+    sized = [c for c in candidates if c.memory is not None]
+    if not sized:
+        reasons = "; ".join(f"{c.describe()}: {c.status}" for c in candidates[:4])
+        raise ShardingError(f"auto_parallel could not plan any mesh of {n} devices: {reasons}")
+    c = min(sized, key=lambda c: c.memory.total)
+    m = c.memory
+    size = lambda b: human_bytes(b, 2)  # noqa: E731
+    state = m.arguments + m.results
+    fixes = [f"memory_per_device of at least {size(m.total)}"]
+    if limit > m.activations:
+        # arguments and results spread over more devices; activations as they are
+        more = math.ceil(n * state / (limit - m.activations))
+        fixes.append(f"about {more} devices (arguments and results spread thinner)")
+    if limit > state and m.activations > 0:
+        fixes.append(
+            f"a batch about {m.activations / (limit - state):.1f}x smaller (peak activations "
+            f"are {size(m.activations)})"
+        )
+    fixes.append(
+        "a pipeline over a scanned layer stack (jaxshard.Pipeline), which splits the "
+        "stacked weights and their optimizer state by stage"
+    )
+    raise ShardingError(
+        f"no parallel strategy fits {size(limit)} per device on {n} devices: the smallest "
+        f"footprint found is {size(m.total)} per device on mesh {c.describe()} (arguments "
+        f"{size(m.arguments)}, results {size(m.results)}, peak activations "
+        f"{size(m.activations)}). It would fit with " + "; or ".join(fixes) + "."
+    )

@@ -1,0 +1,162 @@
+"""Whole-strategy planning (`jaxshard.auto_parallel`) and topologies: the chosen mesh runs
+and matches the unsharded step, its estimates hold once compiled, a device count plans
+without devices, and what does not fit says what would."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import assert_leaves_match
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+import jaxshard
+from jaxshard import CostModel, ShardingError, Topology
+from jaxshard.baseline import compiled_memory, compiled_step_time
+from jaxshard.strategy import hints_on
+
+OPTIMIZER = optax.sgd(0.1)
+
+
+def loss(params, batch):
+    h = jax.nn.relu(batch["x"] @ params["w1"])
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+
+def train_step(params, opt_state, batch):
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+
+def arrays():
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "w1": jax.random.normal(k1, (64, 256)) / 8,
+        "w2": jax.random.normal(k2, (256, 64)) / 16,
+    }
+    batch = {"x": jax.random.normal(k3, (32, 64)), "y": jnp.ones((32, 64))}
+    return params, OPTIMIZER.init(params), batch
+
+
+HINTS = {r"batch/.*": P("data")}
+MEMORY = 2**30
+# slow devices, so that splitting the work pays for its collectives at these sizes
+SLOW = CostModel(flops=1e9)
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return jaxshard.auto_parallel(
+        train_step, *arrays(), devices=jax.devices(), memory_per_device=MEMORY, hints=HINTS,
+        cost_model=SLOW,
+    )  # fmt: skip
+
+
+def test_the_chosen_strategy_runs_and_matches_the_unsharded_step(strategy):
+    args = arrays()
+    step = strategy.auto_shard(train_step)
+    assert_leaves_match(step(*args), jax.jit(train_step)(*args))
+    assert strategy.mesh.size == len(jax.devices())
+    assert strategy.best.time.compute < strategy.best.time.total  # it communicates
+
+
+def test_the_winner_is_the_fastest_candidate_that_fits(strategy):
+    fitting = [c for c in strategy.candidates if c.fits]
+    assert strategy.best.fits and strategy.best is fitting[0]
+    assert all(strategy.best.seconds_per_step <= c.seconds_per_step for c in fitting)
+    # every tensor degree that divides 8 was weighed on a data x tensor mesh
+    two_axis = {c.degrees.get("tensor", 1) for c in strategy.candidates if "fsdp" not in c.axes}
+    assert two_axis == {1, 2, 4, 8}
+    text = strategy.explain()
+    assert "winner:" in text and all(c.describe() in text for c in strategy.candidates)
+
+
+def test_estimates_hold_once_compiled(strategy):
+    compiled = strategy.auto_shard(train_step).lower(*arrays()).compile()
+    est, best = strategy.best.time, strategy.best
+    got = compiled_step_time(compiled, strategy.mesh, strategy.cost_model)
+    assert got.compute == pytest.approx(est.compute, rel=0.01)
+    assert got.total == pytest.approx(est.total, rel=0.1)
+    assert compiled_memory(compiled) <= MEMORY
+    assert best.memory.total == pytest.approx(compiled_memory(compiled), rel=0.25)
+
+
+def test_a_device_count_plans_on_an_abstract_mesh_and_does_not_run():
+    shapes = jax.eval_shape(arrays)
+    s = jaxshard.auto_parallel(
+        train_step, *shapes, devices=64, memory_per_device=MEMORY, hints=HINTS,
+        topology=Topology.h100(nodes=8),
+    )  # fmt: skip
+    assert isinstance(s.mesh, AbstractMesh) and s.mesh.size == 64
+    # a tensor axis never leaves a node's NVLink
+    assert all(c.degrees.get("tensor", 1) <= 8 for c in s.candidates)
+    step = s.auto_shard(train_step)
+    assert step.plan(*shapes).mesh.size == 64
+    with pytest.raises(ShardingError, match="cannot run a step planned on an AbstractMesh"):
+        step(*arrays())
+
+
+def test_nothing_fits_names_the_smallest_footprint_and_the_fixes():
+    with pytest.raises(ShardingError) as e:
+        jaxshard.auto_parallel(
+            train_step, *jax.eval_shape(arrays), devices=8, memory_per_device=4096, hints=HINTS
+        )
+    text = str(e.value)
+    assert "no parallel strategy fits 4.00 KiB per device on 8 devices" in text
+    assert "smallest footprint found is" in text and "memory_per_device of at least" in text
+    assert "devices" in text and "jaxshard.Pipeline" in text
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"memory_per_device": 0}, r"memory_per_device=0\): give the bytes"),
+        ({"devices": 0}, r"devices=0\): give a positive count"),
+        ({"devices": []}, r"devices=\[\]\): give at least one device"),
+        ({"topology": Topology.h100(nodes=2)}, "has 16 devices, but auto_parallel was given 8"),
+        ({"hints": {"batch/x": P("model")}}, r"'batch/x'.*names axis 'model'.*roles"),
+        ({"hints": {"batch/x": "data"}}, r"'batch/x': 'data' is not a PartitionSpec"),
+    ],
+    ids=["memory", "no-devices", "empty-devices", "topology-size", "non-role-axis", "not-a-spec"],
+)
+def test_bad_input_names_the_argument(kwargs, error):
+    options = {"devices": 8, "memory_per_device": MEMORY, **kwargs}
+    with pytest.raises(ShardingError, match=error):
+        jaxshard.auto_parallel(train_step, *jax.eval_shape(arrays), **options)
+
+
+def test_role_hints_follow_the_mesh():
+    hints = {"b": P("data", None, "tensor"), "w": P("fsdp")}
+    assert hints_on(hints, ("data", "fsdp", "tensor")) == {
+        "b": P(("data", "fsdp"), None, "tensor"),
+        "w": P("fsdp"),
+    }
+    assert hints_on(hints, ("data", "tensor")) == {"b": P("data", None, "tensor"), "w": P("data")}
+    assert hints_on(hints, ("tensor",)) == {"b": P(None, None, "tensor"), "w": P(None)}
+
+
+def test_topologies_map_axes_to_the_links_they_span():
+    h100 = Topology.h100(nodes=4)
+    assert [lv.name for lv in h100.axis_levels((4, 8))] == ["InfiniBand", "NVLink"]
+    assert [lv.name for lv in h100.axis_levels((2, 16))] == ["InfiniBand", "InfiniBand"]
+    model = h100.cost_model(("data", "tensor"), (4, 8))
+    assert model.flops == 989e12 and model.bandwidth == {"data": 50e9, "tensor": 450e9}
+    tpu = Topology.tpu("v5e", chips=256, slices=2)
+    assert tpu.devices == 512 and tpu.axis_levels((2, 256))[0].name == "DCN"
+    assert Topology.generic([(4, 1e11, 1e-6), (None, 1e10, 1e-5)], flops=1e14).devices is None
+
+
+@pytest.mark.parametrize(
+    "make, error",
+    [
+        (lambda: Topology.tpu("v9"), r"version='v9'.*known versions are \['v5e', 'v5p'\]"),
+        (lambda: Topology.h100(nodes=0), r"nodes=\.\.\.\) must be a positive int, not 0"),
+        (lambda: Topology.generic([(None, 1e9, 0), (2, 1e9, 0)], 1e12), "only the outermost"),
+        (lambda: Topology.generic([(4, 0.0, 0)], 1e12), "bandwidth must be positive"),
+    ],
+    ids=["tpu-version", "h100-nodes", "inner-without-size", "zero-bandwidth"],
+)
+def test_bad_topologies_say_what_is_wrong(make, error):
+    with pytest.raises(ShardingError, match=error):
+        make()
