@@ -253,17 +253,22 @@ def search_table(rows: list[dict]) -> str:
 
 def run(device_counts: list[int], fast: bool, models_: str = "", search: str = "all") -> list[dict]:
     """Each device count in a subprocess with that many simulated CPU devices."""
+    argv = ["--search", search] + (["--models", models_] if models_ else [])
+    return per_device_count("benchmarks.scale", device_counts, argv + (["--fast"] if fast else []))
+
+
+def per_device_count(module: str, counts: list[int], argv: list[str]) -> list[dict]:
+    """The rows ``python -m module --one N *argv`` prints as JSON on its last line, for
+    each device count N, each run in a process with N simulated CPU devices."""
     rows = []
-    for n in device_counts:
+    for n in counts:
         env = dict(os.environ)
         flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
         env["JAX_PLATFORMS"] = "cpu"
-        argv = [sys.executable, "-m", "benchmarks.scale", "--one", str(n), "--search", search]
-        argv += ["--models", models_] if models_ else []
         out = subprocess.run(
-            argv + (["--fast"] if fast else []), cwd=ROOT, env=env, check=True,
-            stdout=subprocess.PIPE, text=True,
+            [sys.executable, "-m", module, "--one", str(n), *argv], cwd=ROOT, env=env,
+            check=True, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         rows += json.loads(out.stdout.strip().splitlines()[-1])
     return rows

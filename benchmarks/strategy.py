@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 
@@ -69,7 +67,7 @@ def measure(devices: int, fast: bool, only: str = "") -> list[dict]:
         base = {"model": shape, "layers": cfg.n_layers, "devices": devices,
                 "topology": topology.describe()}  # fmt: skip
 
-        def compiled(row, step, mesh, model):
+        def compiled(row, step, mesh, model, w=w):
             try:
                 c = step.lower(*w.args).compile()
                 t = compiled_step_time(c, mesh, model)
@@ -103,7 +101,9 @@ def measure(devices: int, fast: bool, only: str = "") -> list[dict]:
                     rows.append(row)
                     continue
                 hints = hints_for(layout, axes, experts)
-                compiled(row, jaxshard.auto_shard(mesh, hints, cost_model=model)(w.step), mesh, model)
+                compiled(
+                    row, jaxshard.auto_shard(mesh, hints, cost_model=model)(w.step), mesh, model
+                )
     return rows
 
 
@@ -135,7 +135,7 @@ def table(rows: list[dict]) -> str:
                 continue
             ours = r["strategy"] == "auto_parallel"
             plan = f"{r['plan_s']:.1f} ({r['searched']} meshes)" if ours else "—"
-            step = (f"{r['estimated']:.3f} / {r['time']:.3f}" if ours else f"— / {r['time']:.3f}")
+            step = f"{r['estimated']:.3f} / {r['time']:.3f}" if ours else f"— / {r['time']:.3f}"
             memory = (f"{_gib(r['estimated_memory'])} / {_gib(r['memory'])}" if ours
                       else f"— / {_gib(r['memory'])}")  # fmt: skip
             fits = "yes" if r["memory"] <= MEMORY else "no"
@@ -148,17 +148,10 @@ def table(rows: list[dict]) -> str:
 
 def run(counts: list[int], fast: bool, only: str) -> list[dict]:
     """Each device count in a subprocess with that many simulated CPU devices."""
-    rows = []
-    for n in counts:
-        env = dict(os.environ)
-        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
-        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-        env["JAX_PLATFORMS"] = "cpu"
-        argv = [sys.executable, "-m", "benchmarks.strategy", "--one", str(n)]
-        argv += (["--fast"] if fast else []) + (["--models", only] if only else [])
-        out = subprocess.run(argv, cwd=ROOT, env=env, check=True, stdout=subprocess.PIPE, text=True)
-        rows += json.loads(out.stdout.strip().splitlines()[-1])
-    return rows
+    from benchmarks.scale import per_device_count
+
+    argv = (["--fast"] if fast else []) + (["--models", only] if only else [])
+    return per_device_count("benchmarks.strategy", counts, argv)
 
 
 def main(argv=None) -> None:

@@ -22,8 +22,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxshard.annotate import match_hints
-from jaxshard.graph import tied_results
 from jaxshard.cost import CostModel, StepTime
+from jaxshard.graph import tied_results
 from jaxshard.hlo import compiled_collectives, compiled_flops
 from jaxshard.lattice import to_spec
 from jaxshard.plan import auto_view, mesh_axis_sizes
@@ -61,12 +61,11 @@ def compiled_step_time(compiled: Any, mesh: Mesh, model: CostModel) -> StepTime:
     """
     text = compiled.as_text()
     compute = compiled_flops(text) / model.flops if model.flops else 0.0
-    comm: dict[tuple[str, ...], float] = {}
-    for c in compiled_collectives(text, mesh):
-        key = tuple(sorted(c.axes))
-        runs = 1 if c.runs is None else c.runs
-        comm[key] = comm.get(key, 0.0) + model.collective_time(key, c.ring_bytes) * runs
-    return StepTime(compute, comm)
+    moved = [
+        (c.axes, c.ring_bytes, 1 if c.runs is None else c.runs)
+        for c in compiled_collectives(text, mesh)
+    ]
+    return StepTime.of(compute, moved, model)
 
 
 def compiled_memory(compiled: Any) -> int:

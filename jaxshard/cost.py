@@ -557,7 +557,6 @@ def compute_flops(plan) -> float:
     return total
 
 
-
 class StepTime(NamedTuple):
     """A plan's estimated seconds per call: compute, and communication per set of mesh
     axes its collectives run over."""
@@ -569,6 +568,21 @@ class StepTime(NamedTuple):
     def total(self) -> float:
         """Compute plus communication, one after the other (no overlap assumed)."""
         return self.compute + sum(self.communication.values())
+
+    @classmethod
+    def of(cls, compute: float, moved: Iterable[tuple], model: CostModel) -> StepTime:
+        """``compute`` seconds and the collectives ``moved`` as ``(axes, ring bytes,
+        runs)``, each priced on its axes by ``model``, summed per set of axes.
+
+        Example:
+            >>> StepTime.of(0.5, [(("model",), 1e6, 2)], CostModel()).total
+            0.50003
+        """
+        comm: dict[tuple[str, ...], float] = {}
+        for axes, sent, runs in moved:
+            key = tuple(sorted(axes))
+            comm[key] = comm.get(key, 0.0) + model.collective_time(key, sent) * runs
+        return cls(compute, comm)
 
 
 def step_time(plan, model: CostModel) -> StepTime:
@@ -582,13 +596,10 @@ def step_time(plan, model: CostModel) -> StepTime:
         0.0123
     """
     compute = compute_flops(plan) / model.flops if model.flops else 0.0
-    comm: dict[tuple[str, ...], float] = {}
     moved = [(s.axes, s.ring_bytes, r.runs) for r in plan.reshards for s in r.steps]
     moved += [(c.axes, c.ring_bytes, c.runs) for c in plan.written]
-    for axes, sent, runs in moved:
-        key = tuple(sorted(axes))
-        comm[key] = comm.get(key, 0.0) + model.collective_time(axes, sent) * runs
-    return StepTime(compute, comm)
+    return StepTime.of(compute, moved, model)
+
 
 # --- memory --------------------------------------------------------------------------
 

@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
