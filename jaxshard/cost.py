@@ -12,9 +12,9 @@ plan: arguments, results, and the largest set of intermediates alive at once.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from jax.extend.core import Literal
@@ -545,16 +545,41 @@ def compute_flops(plan) -> float:
         >>> compute_flops(plan)  # doctest: +SKIP
         8.4e9
     """
-    g, dims, sizes = plan.graph, plan.dims, plan.axis_sizes
-    runs = executions(g)
+    dims, sizes = plan.dims, plan.axis_sizes
     total = 0.0
-    for a, app in enumerate(g.apps):
-        if app.eqn is None or app.eqn.primitive.name not in _CONTRACTIONS:
-            continue
-        work = 2.0 * math.prod(f.size for f in app.rule.factors)
+    for app, work in _contractions(plan.graph):
         axes = {ax for v in (*app.operands, *app.results) for d in dims[v] for ax in d or ()}
-        total += work / math.prod(sizes[ax] for ax in axes) * runs[a]
+        total += work / math.prod(sizes[ax] for ax in axes)
     return total
+
+
+def program_flops(graph, in_scans: bool = False) -> float:
+    """The FLOPs of one call of the whole unsharded program: its matrix multiplies and
+    convolutions, each 2·(product of its factor sizes) times the times it runs; with
+    ``in_scans`` only those inside a `jax.lax.scan`. Spread evenly over ``n`` devices,
+    ``program_flops(g) / n`` is a floor under any plan's `compute_flops`.
+
+    Example:
+        >>> program_flops(plan.graph)  # doctest: +SKIP
+        6.7e10
+    """
+    return sum(work for app, work in _contractions(graph) if not in_scans or _in_scan(app.where))
+
+
+def _in_scan(where) -> bool:
+    while where is not None:
+        eqn, where = where
+        if eqn.primitive.name == "scan":
+            return True
+    return False
+
+
+def _contractions(graph) -> Iterator[tuple[Any, float]]:
+    """Each contraction of ``graph`` with its FLOPs per call (all its runs)."""
+    runs = executions(graph)
+    for a, app in enumerate(graph.apps):
+        if app.eqn is not None and app.eqn.primitive.name in _CONTRACTIONS:
+            yield app, 2.0 * math.prod(f.size for f in app.rule.factors) * runs[a]
 
 
 class StepTime(NamedTuple):

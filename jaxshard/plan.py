@@ -637,7 +637,8 @@ def _stack_on_stages(graph: Graph, pins: dict[int, Pin]) -> None:
     """A pipeline splits a stacked argument's layer dim over its stage axis: where a hint
     pins that argument's layer dim unsharded (``P(None, None, 'model')`` written for the
     unpipelined step), the stage axis goes there; a hint that puts another axis there
-    is an error naming both."""
+    is an error naming both. An argument no hint pins gets the stage axis on its layer
+    dim and the rest open."""
     producer = {r: a for a, app in enumerate(graph.apps) for r in app.results}
     arguments = set(graph.in_vids)
     for vid, pin in list(pins.items()):
@@ -650,6 +651,12 @@ def _stack_on_stages(graph: Graph, pins: dict[int, Pin]) -> None:
                 break
             stacked = graph.apps[a].operands[0]
         hinted = pins.get(stacked)
+        if stacked in arguments and hinted is None:
+            # pinned here too, so that no layout choice (the search's) puts another
+            # axis on the layer dim the pipeline splits
+            rest = (None,) * (len(graph.shapes[stacked]) - 1)
+            pins[stacked] = Pin((pin.dims[0], *rest), pin.source, PinKind.PIPELINE)
+            continue
         if stacked not in arguments or hinted is None or hinted.kind is not PinKind.HINTS:
             continue
         layer = hinted.dims[0]

@@ -15,7 +15,13 @@ step time that fits wins.
 The candidates are searched coarse to fine: every tensor degree on a two-axis mesh
 (``data`` x ``tensor``) first, then, for the two best tensor degrees, every split of
 the batch axes into ``data`` x ``fsdp``. A tensor axis never spans a slow level of a
-multi-level topology (it stays within a node or a slice).
+multi-level topology (it stays within a node or a slice). Then, when the step runs a
+layer stack under `jax.lax.scan`, pipelines: a ``stage`` axis over the slowest level
+(`jaxshard.Pipeline`; on a one-level topology only when nothing else fits), for every
+stage count that divides the layers, with the most microbatches of 4S, 2S or S that
+split the batch. A pipeline whose lower bound (the program's FLOPs spread over every
+device and stretched by the bubble, plus the activations it hands between stages) is
+no faster than the best candidate found is pruned without being searched.
 """
 
 from __future__ import annotations
@@ -31,12 +37,22 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from jaxshard.api import AutoShard, auto_shard
-from jaxshard.cost import CostModel, MemoryEstimate, StepTime, human_bytes, step_time
+from jaxshard.cost import (
+    CostModel,
+    MemoryEstimate,
+    StepTime,
+    human_bytes,
+    nbytes,
+    program_flops,
+    step_time,
+)
 from jaxshard.errors import JaxshardWarning, ShardingError
+from jaxshard.pipeline import Pipeline
 from jaxshard.plan import Plan
 from jaxshard.topology import Topology
 
 ROLES = ("data", "fsdp", "tensor")  # mesh axis names, outermost first
+PIPELINE_ROLES = ("stage", "data", "tensor")  # a pipeline candidate's axes
 REFINED = 2  # tensor degrees whose batch axes are split into data x fsdp
 SEARCH_SECONDS = 4.0  # the most one mesh's layout search runs (it keeps the best found)
 
@@ -63,6 +79,12 @@ class Candidate:
     hints: dict[str, PartitionSpec] = field(default_factory=dict, repr=False)
     plan: Plan | None = field(default=None, repr=False)
     seconds: float = 0.0
+    microbatches: int = 0  # with a ``stage`` axis: the pipeline's microbatches
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """The `jaxshard.Pipeline` of a candidate with a ``stage`` axis (else None)."""
+        return Pipeline("stage", self.microbatches) if self.microbatches else None
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -80,8 +102,9 @@ class Candidate:
         return self.time.total if self.time is not None else math.inf
 
     def describe(self) -> str:
-        """``8x8 (data=8, tensor=8)``."""
-        return "x".join(map(str, self.shape)) + f" ({_degrees(self)})"
+        """``8x8 (data=8, tensor=8)``; a pipeline adds its microbatches."""
+        text = "x".join(map(str, self.shape)) + f" ({_degrees(self)})"
+        return text + (f", {self.microbatches} microbatches" if self.microbatches else "")
 
 
 @dataclass
@@ -128,6 +151,7 @@ class Strategy:
             "search": True,
             "memory_budget": self.memory_per_device,
             "cost_model": self.cost_model,
+            "pipeline": self.best.pipeline,
             **self.options,
             **options,
         }
@@ -141,13 +165,14 @@ class Strategy:
             auto_parallel: 64 devices, 80.00 GiB per device (H100 x64: ...)
         """
         n = math.prod(self.best.shape)
-        searched = [c for c in self.candidates if c.status != "not searched"]
+        searched = [c for c in self.candidates if c.seconds > 0]
+        width = max(34, *(len(c.describe()) for c in self.candidates))
         lines = [
             f"auto_parallel: {n} devices, {human_bytes(self.memory_per_device, 2)} per device "
             f"({self.topology.describe()}); {len(searched)} meshes searched in "
             f"{self.seconds:.1f} s",
             "",
-            f"{'rank':>4}  {'mesh':<34} {'step s':>9} {'compute':>9} {'comm':>9} "
+            f"{'rank':>4}  {'mesh':<{width}} {'step s':>9} {'compute':>9} {'comm':>9} "
             f"{'memory':>11} {'plan s':>7}  status",
         ]
         for i, c in enumerate(self.candidates, 1):
@@ -158,7 +183,7 @@ class Strategy:
                 times = f"{'-':>9} {'-':>9} {'-':>9}"
             memory = human_bytes(c.memory.total) if c.memory is not None else "-"
             lines.append(
-                f"{i:>4}  {c.describe():<34} {times} {memory:>11} {c.seconds:7.1f}  {c.status}"
+                f"{i:>4}  {c.describe():<{width}} {times} {memory:>11} {c.seconds:7.1f}  {c.status}"
             )
         lines += ["", _why(self.best, [c for c in self.candidates[1:] if c.fits])]
         return "\n".join(lines)
@@ -225,6 +250,13 @@ def auto_parallel(
     hints = dict(hints or {})
     _check_roles(hints)
 
+    if options.get("pipeline") is not None:
+        raise ShardingError(
+            f"auto_parallel(pipeline={options['pipeline']!r}): auto_parallel chooses the "
+            "pipeline (its stages and microbatches) itself; leave pipeline= out"
+        )
+    options.pop("pipeline", None)
+
     def weigh(c: Candidate) -> None:
         start = time.perf_counter()
         mesh = _mesh(device_list, c.shape, c.axes)
@@ -236,6 +268,7 @@ def auto_parallel(
             search=True,
             memory_budget=memory_per_device,
             cost_model=model,
+            pipeline=c.pipeline,
             search_time_limit=max(1.0, min(SEARCH_SECONDS, time_limit - (start - t0))),
             **options,
         )(fn)
@@ -253,24 +286,37 @@ def auto_parallel(
             c.time, c.predicted_bytes = step_time(plan, model), plan.predicted_bytes
         c.seconds = time.perf_counter() - start
 
-    candidates = [Candidate(*_named((n // t, t))) for t in _tensor_degrees(n, topology)]
+    def plain(c: Candidate) -> Plan | None:
+        """The step planned from the hints alone on ``c``'s mesh: its program, to size
+        pipeline candidates when no searched candidate fits."""
+        mesh = _mesh(device_list, c.shape, c.axes)
+        try:
+            return auto_shard(mesh, hints_on(hints, c.axes), **options)(fn).plan(*args)
+        except ShardingError:
+            return None
+
     stopped = False
-    for c in candidates:
-        if time.perf_counter() - t0 > time_limit:
-            stopped = True
-            break
-        weigh(c)
-    # a mesh whose batch axes the hints could not use fails the same way split in two
-    planned = [c for c in candidates if c.memory is not None]
-    for b in sorted(planned, key=_rank)[:REFINED]:
-        t = b.degrees.get("tensor", 1)
-        for d, f in _splits(n // t):
+
+    def weigh_all(new: list[Candidate]) -> None:
+        nonlocal stopped
+        for c in new:
             if stopped or time.perf_counter() - t0 > time_limit:
                 stopped = True
-                break
-            c = Candidate(*_named((d, f, t), ROLES))
+                return
             candidates.append(c)
             weigh(c)
+
+    candidates: list[Candidate] = []
+    weigh_all([Candidate(*_named((n // t, t))) for t in _tensor_degrees(n, topology)])
+    # a mesh whose batch axes the hints could not use fails the same way split in two
+    planned = sorted((c for c in candidates if c.memory is not None), key=_rank)
+    for b in planned[:REFINED]:
+        t = b.degrees.get("tensor", 1)
+        weigh_all([Candidate(*_named((d, f, t), ROLES)) for d, f in _splits(n // t)])
+    if not stopped:
+        pipelines = _pipelines(candidates, n, topology, cost_model, plain)
+        candidates += [c for c in pipelines if c.status != "not searched"]
+        weigh_all([c for c in pipelines if c.status == "not searched"])
     candidates.sort(key=_rank)
     seconds = time.perf_counter() - t0
     if stopped:
@@ -293,6 +339,94 @@ def auto_parallel(
         seconds=seconds,
         options=dict(options),
     )
+
+
+def _pipelines(
+    candidates: list[Candidate],
+    n: int,
+    topology: Topology,
+    cost_model: CostModel | None,
+    plain: Callable[[Candidate], Plan | None],
+) -> list[Candidate]:
+    """The pipeline candidates: a ``stage`` axis over the topology's slowest level (on a
+    one-level topology only when nothing else fits: there is no slow link for it to
+    spare), for every stage count that divides the layer stacks, the tensor degree of
+    the best candidate so far and the most microbatches of 4S, 2S, S that split the
+    batch evenly over the data axis. One whose lower bound (`_floor`) is no faster than
+    the best found is marked pruned and not searched."""
+    ranked = sorted(candidates, key=_rank)
+    fitting = [c for c in ranked if c.fits]
+    if len(topology.levels) == 1 and fitting:
+        return []
+    plan = fitting[0].plan if fitting else plain(ranked[0]) if ranked else None
+    stacks = _layer_stacks(plan) if plan is not None else []
+    if not stacks:
+        return []
+    last = topology.levels[-1]
+    outer = last.size or n // math.prod(lv.size for lv in topology.levels[:-1])
+    if len(topology.levels) == 1:
+        outer = n
+    lead = next((c for c in ranked if c.memory is not None), ranked[0])
+    wanted = lead.degrees.get("tensor", 1)
+    best = fitting[0].seconds_per_step if fitting else math.inf
+    out = []
+    for stages in range(2, outer + 1):
+        if outer % stages or any(layers % stages for layers, _, _ in stacks):
+            continue
+        rest = n // stages
+        tensor = max(t for t in _tensor_degrees(n, topology) if rest % t == 0 and t <= wanted)
+        c = Candidate(*_named((stages, rest // tensor, tensor), PIPELINE_ROLES))
+        data = c.degrees.get("data", 1)
+        fits_rows = [
+            m for m in (4 * stages, 2 * stages, stages)
+            if all(rows % m == 0 and (rows // m) % data == 0 for _, rows, _ in stacks)
+        ]  # fmt: skip
+        if not fits_rows:
+            c.status = (
+                f"n/a: no count of {stages}-{4 * stages} microbatches splits the batch of "
+                f"{stacks[0][1]} rows over {data} data-parallel devices"
+            )
+        else:
+            c.microbatches = fits_rows[0]
+            floor = _floor(plan, c, stacks, _priced(topology, cost_model, c))
+            if floor >= best:
+                c.status = (
+                    f"pruned: at least {floor:.4f} s per step (compute with the pipeline "
+                    f"bubble, and the carry between stages), not under the best {best:.4f} s"
+                )
+        out.append(c)
+    return out
+
+
+def _layer_stacks(plan: Plan) -> list[tuple[int, int, int]]:
+    """``(layers, batch rows, carry bytes)`` of each scan in ``plan``'s program that loops
+    over stacked per-layer arrays with a batch-first carry: the loops a pipeline could
+    split (`jaxshard.pipeline` decides which qualify; this only sizes the candidates)."""
+    out = []
+    for app in plan.graph.apps:
+        eqn = app.eqn
+        if eqn is None or eqn.primitive.name != "scan":
+            continue
+        consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        carry = [v.aval for v in eqn.invars[consts : consts + n_carry]]
+        rows = {a.shape[0] if a.shape else 0 for a in carry}
+        if len(eqn.invars) > consts + n_carry and len(rows) == 1 and 0 not in rows:
+            carried = sum(nbytes(a.shape, a.dtype) for a in carry)
+            out.append((int(eqn.params["length"]), rows.pop(), carried))
+    return out
+
+
+def _floor(plan: Plan, c: Candidate, stacks, model: CostModel) -> float:
+    """A lower bound on pipeline candidate ``c``'s step time: the program's FLOPs spread
+    evenly over the devices, the layer loops' share stretched by the bubble (their M+S−1
+    iterations do M microbatches' work), plus the carry each stage hands on per
+    iteration, forward and backward, split over every device of a stage."""
+    n, stages, m = math.prod(c.shape), c.degrees["stage"], c.microbatches
+    looped = program_flops(plan.graph, in_scans=True)
+    flops = program_flops(plan.graph) + looped * (stages - 1) / m
+    compute = flops / n / model.flops if model.flops else 0.0
+    carry = max(carried for _, _, carried in stacks) / m / (n // stages)
+    return compute + 2 * (m + stages - 1) * model.collective_time(("stage",), carry)
 
 
 def hints_on(hints: Mapping[str, PartitionSpec], axes: Sequence[str]) -> dict:
@@ -452,10 +586,20 @@ def _raise_nothing_fits(candidates: list[Candidate], n: int, limit: float) -> No
             f"a batch about {m.activations / (limit - state):.1f}x smaller (peak activations "
             f"are {size(m.activations)})"
         )
-    fixes.append(
-        "a pipeline over a scanned layer stack (jaxshard.Pipeline), which splits the "
-        "stacked weights and their optimizer state by stage"
-    )
+    piped = [p for p in sized if p.microbatches]
+    if piped:
+        p = min(piped, key=lambda p: p.memory.total)
+        fixes.append(
+            f"more pipeline stages than the {max(p.degrees['stage'] for p in piped)} weighed "
+            f"(the smallest pipeline, {p.describe()}, needs {size(p.memory.total)}, its "
+            f"arguments {size(p.memory.arguments)})"
+        )
+    else:
+        fixes.append(
+            "a pipeline (none was weighed: the step has no layer stack run by jax.lax.scan "
+            "over stacked per-layer weights with the activations as carry whose layers the "
+            "stage counts divide, or the time limit came first)"
+        )
     raise ShardingError(
         f"no parallel strategy fits {size(limit)} per device on {n} devices: the smallest "
         f"footprint found is {size(m.total)} per device on mesh {c.describe()} (arguments "

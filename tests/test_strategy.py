@@ -89,8 +89,9 @@ def test_a_device_count_plans_on_an_abstract_mesh_and_does_not_run():
         topology=Topology.h100(nodes=8),
     )  # fmt: skip
     assert isinstance(s.mesh, AbstractMesh) and s.mesh.size == 64
-    # a tensor axis never leaves a node's NVLink
+    # a tensor axis never leaves a node's NVLink; no layer stack: no pipeline weighed
     assert all(c.degrees.get("tensor", 1) <= 8 for c in s.candidates)
+    assert not any("stage" in c.axes for c in s.candidates)
     step = s.auto_shard(train_step)
     assert step.plan(*shapes).mesh.size == 64
     with pytest.raises(ShardingError, match="cannot run a step planned on an AbstractMesh"):
@@ -105,7 +106,75 @@ def test_nothing_fits_names_the_smallest_footprint_and_the_fixes():
     text = str(e.value)
     assert "no parallel strategy fits 4.00 KiB per device on 8 devices" in text
     assert "smallest footprint found is" in text and "memory_per_device of at least" in text
-    assert "devices" in text and "jaxshard.Pipeline" in text
+    # this step has no layer stack to pipeline, and the error says so
+    assert "devices" in text and "a pipeline (none was weighed: the step has no layer" in text
+
+
+# --- pipelines: a stage axis over the slow links, for a step with a scanned layer stack
+
+
+def stack_loss(params, batch):
+    def layer(x, w):
+        return jnp.tanh(x @ w), None
+
+    x, _ = jax.lax.scan(layer, batch["x"], params["layers"])
+    return jnp.mean((x - batch["y"]) ** 2)
+
+
+def stack_step(params, opt_state, batch):
+    value, grads = jax.value_and_grad(stack_loss)(params, batch)
+    updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+
+def stack_arrays():
+    k1, k2 = jax.random.split(jax.random.key(1))
+    params = {"layers": jax.random.normal(k1, (4, 128, 128)) / 12}
+    batch = {"x": jax.random.normal(k2, (16, 128)), "y": jnp.zeros((16, 128))}
+    return params, OPTIMIZER.init(params), batch
+
+
+def two_nodes(across: float, flops: float) -> Topology:
+    """8 devices: 4 per node on fast links, ``across`` bytes/s between the 2 nodes."""
+    return Topology.generic([(4, 1e11, 1e-6), (2, across, 1e-5)], flops=flops)
+
+
+@pytest.fixture(scope="module")
+def piped():
+    return jaxshard.auto_parallel(
+        stack_step, *stack_arrays(), devices=jax.devices(), memory_per_device=MEMORY,
+        hints=HINTS, topology=two_nodes(across=1e7, flops=1e12),
+    )  # fmt: skip
+
+
+def test_a_pipeline_over_slow_links_wins_runs_and_matches_the_unsharded_step(piped):
+    # data parallelism would sum the weight gradients over the slow links; the pipeline
+    # hands only each microbatch's activations across them
+    best = piped.best
+    assert best.degrees["stage"] == 2 and best.microbatches == 8
+    assert best.pipeline == jaxshard.Pipeline("stage", 8)
+    assert any(c.fits and "stage" not in c.axes for c in piped.candidates[1:])
+    args = stack_arrays()
+    step = piped.auto_shard(stack_step)
+    assert_leaves_match(step(*args), jax.jit(stack_step)(*args))
+    (loop,) = step.plan(*args).pipelined
+    assert (loop.stages, loop.microbatches) == (2, 8)
+    compiled = step.lower(*args).compile()
+    got = compiled_step_time(compiled, piped.mesh, piped.cost_model)
+    assert got.total == pytest.approx(best.time.total, rel=0.1)
+    assert compiled_memory(compiled) <= MEMORY
+    assert "stage=2" in piped.explain() and "8 microbatches" in piped.explain()
+
+
+def test_a_pipeline_its_bubble_cannot_pay_for_is_pruned_unsearched():
+    # fast links everywhere and slow compute: the bubble alone costs more than the best
+    s = jaxshard.auto_parallel(
+        stack_step, *jax.eval_shape(stack_arrays), devices=8, memory_per_device=MEMORY,
+        hints=HINTS, topology=two_nodes(across=1e11, flops=1e9),
+    )  # fmt: skip
+    (pipeline,) = [c for c in s.candidates if "stage" in c.axes]
+    assert pipeline.status.startswith("pruned: at least") and pipeline.seconds == 0
+    assert "not under the best" in pipeline.status and "stage" not in s.best.axes
 
 
 @pytest.mark.parametrize(
@@ -117,8 +186,17 @@ def test_nothing_fits_names_the_smallest_footprint_and_the_fixes():
         ({"topology": Topology.h100(nodes=2)}, "has 16 devices, but auto_parallel was given 8"),
         ({"hints": {"batch/x": P("model")}}, r"'batch/x'.*names axis 'model'.*roles"),
         ({"hints": {"batch/x": "data"}}, r"'batch/x': 'data' is not a PartitionSpec"),
+        ({"pipeline": jaxshard.Pipeline()}, r"chooses the pipeline .* itself; leave pipeline="),
     ],
-    ids=["memory", "no-devices", "empty-devices", "topology-size", "non-role-axis", "not-a-spec"],
+    ids=[
+        "memory",
+        "no-devices",
+        "empty-devices",
+        "topology-size",
+        "non-role-axis",
+        "not-a-spec",
+        "pipeline",
+    ],
 )
 def test_bad_input_names_the_argument(kwargs, error):
     options = {"devices": 8, "memory_per_device": MEMORY, **kwargs}
