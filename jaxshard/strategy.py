@@ -47,6 +47,7 @@ from jaxshard.cost import (
     step_time,
 )
 from jaxshard.errors import JaxshardWarning, ShardingError
+from jaxshard.jax_compat import scan_counts
 from jaxshard.pipeline import Pipeline
 from jaxshard.plan import Plan
 from jaxshard.topology import Topology
@@ -407,7 +408,7 @@ def _layer_stacks(plan: Plan) -> list[tuple[int, int, int]]:
         eqn = app.eqn
         if eqn is None or eqn.primitive.name != "scan":
             continue
-        consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        consts, n_carry = scan_counts(eqn.params)
         carry = [v.aval for v in eqn.invars[consts : consts + n_carry]]
         rows = {a.shape[0] if a.shape else 0 for a in carry}
         if len(eqn.invars) > consts + n_carry and len(rows) == 1 and 0 not in rows:
