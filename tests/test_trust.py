@@ -266,7 +266,8 @@ def test_internal_records_say_what_they_are(mesh):
     from jaxshard.propagate import OriginKind
     from jaxshard.rule import Port, Side
     from jaxshard.search import search_hints
-    from jaxshard.search.problem import Extra, Fixed, Problem, Scope
+    from jaxshard.search.problem import Extra, Problem, Scope
+    from jaxshard.search.refs import Fixed, Follow
 
     def f(ws, x):
         return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0].sum()
@@ -291,7 +292,7 @@ def test_internal_records_say_what_they_are(mesh):
     traced, graph = trace_graph(jax.grad(f), args, {}, mesh)
     problem = Problem(traced, graph, mesh, {"x": P("data")}, CostModel(), 2**20)
     refs = [r for v in range(len(graph.shapes)) for r in problem.refs(v)]
-    assert all(type(r) in (int, Fixed) for r in refs)
+    assert all(type(r) in (int, Fixed, Follow) for r in refs)
     extras = [c for d in problem.decisions for c in d.candidates if isinstance(c, Extra)]
     assert all(type(c.scope) is Scope for c in extras)
     result = search_hints(jax.grad(f), args, {}, mesh, {"x": P("data")}, memory_budget=2**20)

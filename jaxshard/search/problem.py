@@ -38,22 +38,15 @@ from jaxshard.plan import (
 )
 from jaxshard.rule import FactorKind
 from jaxshard.search.memory import MemoryModel, fused_liveness
+from jaxshard.search.refs import UNSPLIT, Fixed, Follow, Ref, decision_of
 
 _LAYER_INDEX = re.compile(r"(?<=/)\d+(?=/|$)")
 US = 1e6  # the objective is in microseconds
 MEMORY_TIEBREAK = 1e-9  # objective units per byte: 1 GB of memory weighs 1 µs
 _EXTRA_TIEBREAK = 1e-2  # µs per leaf stored with an extra axis
-
-
-class Fixed(NamedTuple):
-    """A dim class the pins lay out (``axes``), which no decision chooses."""
-
-    axes: Axes
-
-
-# a dim class's reference: its decision's index, or the axes pins fix
-Ref = int | Fixed
-UNSPLIT = Fixed(())  # a dim of size 1
+# the most joint choices an equation's term may reach by a class following a decision
+# (`Problem._follow`): past it the integer program grows slow to solve
+FOLLOW_COMBOS = 64
 
 
 class Scope(StrEnum):
@@ -248,6 +241,8 @@ class Problem(MemoryModel):
             return any((a % n == 0 or b % n == 0) and both % n for n in splits)
 
         self.cuts: dict[int, frozenset[tuple[int, int]]] = {}
+        # (value, dim) cut for its size from the class of (value, dim) of its factor
+        self.narrowed: list[tuple[int, int, int, int]] = []
         majors: dict[int, list[tuple[int, int]]] = {}  # per rule: (tensor, dim, factor)
         for a, app in enumerate(g.apps):
             rule = app.rule
@@ -263,18 +258,21 @@ class Problem(MemoryModel):
             vids = (*app.operands, *app.results)
             first: dict[int, int] = {}
             cut = []
+            narrowed: list[tuple[int, int, int]] = []
             for t, d, f in entries:
                 k = find_root(parent, int(offset[vids[t]]) + d)
                 fs = rule.factors[f].size
                 if size[k] % fs:
                     if narrows(size[k], fs):
                         cut.append((t, d))
+                        narrowed.append((t, d, f))
                         continue
                     size[k] = math.gcd(size[k], fs)
                 claims = {find_root(parent, r): h for h, r in first.items()}
                 other = first.get(f)
                 if other is not None and narrows(size[k], size[find_root(parent, other)]):
                     cut.append((t, d))
+                    narrowed.append((t, d, f))
                     continue
                 if other is None:
                     if claims.get(k, f) != f:
@@ -292,6 +290,12 @@ class Problem(MemoryModel):
                 first[f] = root
             if cut:
                 self.cuts[a] = frozenset(cut)
+            # a dim cut for its size, with a dim of this equation its factor's class holds
+            for t, d, f in narrowed:
+                kept = next(((t2, d2) for t2, d2, f2 in entries
+                             if f2 == f and (t2, d2) not in cut), None)  # fmt: skip
+                if kept is not None:
+                    self.narrowed.append((vids[t], d, vids[kept[0]], kept[1]))
         self.root = [find_root(parent, k) for k in range(n)]
         self.class_size = size
 
@@ -395,6 +399,7 @@ class Problem(MemoryModel):
                 self.decisions[dec].candidates += [
                     c for c in combos if size % math.prod(self.sizes[a] for a in c) == 0
                 ]
+        self._follow()
         self.n_class_decisions = len(self.decisions)
         if self.budget is not None:  # an extra storage axis per group, for memory
             total = sum(self._leaf_bytes(i) for i in self.leaf_group)
@@ -421,6 +426,42 @@ class Problem(MemoryModel):
                     grp.extra = len(self.decisions)
                     self.decisions.append(Decision(f"{grp.key} extra axis", cands))
         self.followers = {i for grp in self.groups for i in grp.followers}
+
+    def _follow(self) -> None:
+        """A class cut from its factor for its size (`narrowed`) that nothing lays out
+        would be priced replicated, though propagation carries the factor's axes there
+        wherever they divide it (8 key heads behind a 1024-wide projection split 4 ways):
+        it follows the factor's decision (`Follow`), unless that makes some equation's
+        joint choices more than `FOLLOW_COMBOS` (the program would grow slow to solve;
+        it is then priced replicated, as before)."""
+        g = self.graph
+        proposed: dict[int, Follow] = {}
+        for v, d, w, e in self.narrowed:
+            k, factor = self._key(v, d), self.ref[self._key(w, e)]
+            if self.ref[k] is UNSPLIT and type(factor) is int:
+                proposed.setdefault(k, Follow(factor, self.class_size[k]))
+        if not proposed:
+            return
+        refused: set[int] = set()
+        for a, app in enumerate(g.apps):
+            if a in self.dead:
+                continue
+            keys = {
+                self._key(v, d)
+                for v in (*app.operands, *app.results)
+                for d, size in enumerate(g.shapes[v])
+                if size > 1
+            }
+            touched = keys & proposed.keys()
+            if not touched:
+                continue
+            decisions = {decision_of(self.ref[k]) for k in keys} - {None}
+            decisions |= {proposed[k].dec for k in touched}
+            if math.prod(len(self.decisions[x].candidates) for x in decisions) > FOLLOW_COMBOS:
+                refused |= touched
+        for k, follow in proposed.items():
+            if k not in refused:
+                self.ref[k] = follow
 
     def _gathered_at_uses(self, i: int) -> bool:
         """Whether argument leaf ``i`` can be stored apart (FSDP) as the model prices it:
@@ -516,6 +557,11 @@ class Problem(MemoryModel):
         """The axes of a class reference under a choice of candidate per decision."""
         if type(ref) is Fixed:
             return ref.axes
+        if type(ref) is Follow:
+            if ref.dec not in choice:  # the memory model prices it unsplit
+                return ()
+            axes = self.decisions[ref.dec].candidates[choice[ref.dec]]
+            return axes if ref.size % math.prod(self.sizes[a] for a in axes) == 0 else ()
         return self.decisions[ref].candidates[choice[ref]]
 
     # --- joint terms -------------------------------------------------------------------
@@ -544,17 +590,17 @@ class Problem(MemoryModel):
         seen = set()
         for v in range(len(g.shapes)):
             refs = self.refs(v)
-            free = {r for r in refs if type(r) is int}
+            free = {decision_of(r) for r in refs} - {None}
             if not free or refs in seen:
                 continue
             seen.add(refs)
             fixed_axes = [a for r in refs if type(r) is Fixed for a in r.axes]
-            if sum(type(r) is int for r in refs) < 2 and not fixed_axes:
+            if sum(decision_of(r) is not None for r in refs) < 2 and not fixed_axes:
                 continue  # one decided dim and nothing else sharded: no clash possible
             term = self._term(free)
             for n, choice in self._combos(term):
                 dims = [self.axes(r, choice) for r in refs]
-                used = [a for d, r in zip(dims, refs) for a in d if type(r) is int]
+                used = [a for d, r in zip(dims, refs) for a in d if decision_of(r) is not None]
                 if len(used) != len(set(used)) or set(used) & set(fixed_axes):
                     term.allowed[n] = False
 
@@ -587,7 +633,7 @@ class Problem(MemoryModel):
             else:
                 entry[1] += runs[a]
         for (_, refs, cut), (app, count) in sigs.items():
-            free = {r for rs in refs for r in rs if type(r) is int}
+            free = {decision_of(r) for rs in refs for r in rs} - {None}
             if not free:
                 t, b = self._app_cost(app, refs, {}, cut)
                 self.constant_time += count * t
@@ -641,7 +687,7 @@ class Problem(MemoryModel):
             if rule.factors[f].kind is FactorKind.NEED_REPLICATION and any(
                 a in other for h, other in factor_axes.items() if h != f for a in axes
             ):
-                decided = any(type(r) is int for rs in refs for r in rs)
+                decided = any(decision_of(r) is not None for rs in refs for r in rs)
                 if decided:
                     return None
         partial = PartialSum(
@@ -696,7 +742,7 @@ class Problem(MemoryModel):
         for grp in self.groups:
             leaves = (*grp.owners, *grp.followers)
             refs = {i: self.refs(g.in_vids[i]) for i in leaves}
-            free = {r for rs in refs.values() for r in rs if type(r) is int}
+            free = {decision_of(r) for rs in refs.values() for r in rs} - {None}
             if grp.extra is not None:
                 free.add(grp.extra)
             uses = {i: len(self._compute_uses(g.in_vids[i])) for i in grp.owners}
