@@ -202,7 +202,8 @@ def search_rows(w, mesh, axes, hand: list[dict], tight: bool = False) -> list[di
     return rows
 
 
-def _gib(b: float) -> str:
+def gib(b: float) -> str:
+    """Bytes as GiB with one decimal, for the tables."""
     return f"{b / 2**30:.1f} GiB"
 
 
@@ -218,9 +219,9 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{head} — | {r['error']} | | |")
             continue
         lines.append(
-            f"{head} {r['plan_s']:.1f} | {_gib(r['predicted'])} / {_gib(r['bytes'])} "
-            f"(**{r['predicted'] / max(r['bytes'], 1):.2f}**) | {_gib(r['estimated'])} / "
-            f"{_gib(r['memory'])} (**{r['estimated'] / r['memory']:.2f}**) | "
+            f"{head} {r['plan_s']:.1f} | {gib(r['predicted'])} / {gib(r['bytes'])} "
+            f"(**{r['predicted'] / max(r['bytes'], 1):.2f}**) | {gib(r['estimated'])} / "
+            f"{gib(r['memory'])} (**{r['estimated'] / r['memory']:.2f}**) | "
             f"{r['bytes'] / max(r['xla_bytes'], 1):.2f}, {r['memory'] / r['xla_memory']:.2f} |"
         )
     return "\n".join(lines)
@@ -235,17 +236,17 @@ def search_table(rows: list[dict]) -> str:
     ]
     for r in rows:
         head = (f"| {r['model']} ({r['layers']}L) | {r['mesh']} ({r['axes']}) | "
-                f"{'batch hint' if r['hinted'] else 'no hints'} | {_gib(r['budget'])} |")  # fmt: skip
-        hand = f"{r['best']}: {_gib(r['best_bytes'])}, {_gib(r['best_memory'])}"
+                f"{'batch hint' if r['hinted'] else 'no hints'} | {gib(r['budget'])} |")  # fmt: skip
+        hand = f"{r['best']}: {gib(r['best_bytes'])}, {gib(r['best_memory'])}"
         if "error" in r:
             lines.append(f"{head} — | {r['error']} | **no** | | | {hand} | |")
             continue
         fits = "yes" if r["memory"] <= r["budget"] else "**NO**"
         lines.append(
-            f"{head} {r['plan_s']:.1f} | {_gib(r['memory'])} | {fits} | "
-            f"{_gib(r['predicted'])} / {_gib(r['bytes'])} "
-            f"(**{r['predicted'] / max(r['bytes'], 1):.2f}**) | {_gib(r['estimated'])} / "
-            f"{_gib(r['memory'])} (**{r['estimated'] / r['memory']:.2f}**) | {hand} | "
+            f"{head} {r['plan_s']:.1f} | {gib(r['memory'])} | {fits} | "
+            f"{gib(r['predicted'])} / {gib(r['bytes'])} "
+            f"(**{r['predicted'] / max(r['bytes'], 1):.2f}**) | {gib(r['estimated'])} / "
+            f"{gib(r['memory'])} (**{r['estimated'] / r['memory']:.2f}**) | {hand} | "
             f"{r['bytes'] / max(r['best_bytes'], 1):.2f} |"
         )
     return "\n".join(lines)

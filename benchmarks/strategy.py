@@ -27,6 +27,8 @@ import os
 import sys
 import time
 
+from benchmarks.scale import gib
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -89,7 +91,7 @@ def measure(devices: int, fast: bool, only: str = "") -> list[dict]:
                 topology=topology, hints={r"batch/.*": P("data")},
             )  # fmt: skip
             best = strategy.best
-            name = "auto_parallel" + ("" if limit == MEMORY else f", {_gib(limit)}")
+            name = "auto_parallel" + ("" if limit == MEMORY else f", {gib(limit)}")
             row = {**base, "strategy": name, "mesh": _mesh_text(best.shape, best.axes),
                    "plan_s": time.perf_counter() - start, "estimated": best.time.total,
                    "estimated_memory": best.memory.total, "limit": limit,
@@ -119,10 +121,6 @@ def _mesh_text(shape, axes) -> str:
     return "x".join(map(str, shape)) + " (" + ",".join(axes) + ")"
 
 
-def _gib(b: float) -> str:
-    return f"{b / 2**30:.1f} GiB"
-
-
 def table(rows: list[dict]) -> str:
     lines = [
         "| model | devices | strategy | mesh | plan s | estimated / compiled step s | "
@@ -147,12 +145,12 @@ def table(rows: list[dict]) -> str:
             best = min(fitting, key=lambda h: h["time"]) if fitting else None
             plan = f"{r['plan_s']:.1f} ({r['searched']} meshes)" if ours else "—"
             step = f"{r['estimated']:.3f} / {r['time']:.3f}" if ours else f"— / {r['time']:.3f}"
-            memory = (f"{_gib(r['estimated_memory'])} / {_gib(r['memory'])}" if ours
-                      else f"— / {_gib(r['memory'])}")  # fmt: skip
+            memory = (f"{gib(r['estimated_memory'])} / {gib(r['memory'])}" if ours
+                      else f"— / {gib(r['memory'])}")  # fmt: skip
             fits = "yes" if r["memory"] <= limit else "no"
             versus = f"**{r['time'] / best['time']:.3f}**" if best and ours else ""
             if ours and best is None:
-                versus = f"no hand strategy fits {_gib(limit)}"
+                versus = f"no hand strategy fits {gib(limit)}"
             if best is r:
                 versus = "best hand"
             lines.append(f"{head} {plan} | {step} | {memory} | {fits} | {versus} |")

@@ -363,10 +363,10 @@ def _pipelines(
     stacks = _layer_stacks(plan) if plan is not None else []
     if not stacks:
         return []
-    last = topology.levels[-1]
-    outer = last.size or n // math.prod(lv.size for lv in topology.levels[:-1])
-    if len(topology.levels) == 1:
-        outer = n
+    levels = topology.levels
+    outer = (
+        n if len(levels) == 1 else levels[-1].size or n // math.prod(lv.size for lv in levels[:-1])
+    )
     lead = next((c for c in ranked if c.memory is not None), ranked[0])
     wanted = lead.degrees.get("tensor", 1)
     best = fitting[0].seconds_per_step if fitting else math.inf

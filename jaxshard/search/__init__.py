@@ -238,17 +238,26 @@ def _repriced(problem, found: Settled, target, propagated, t0, time_limit, say) 
         problem.excluded.append(dict(current.choice))
         say(f"propagation moves {human_bytes(step_bytes(current.plan))}, the model said "
             f"{human_bytes(modeled)}: solving again without that layout")  # fmt: skip
-        try:
-            choice, optimal, status = solve(problem, t0, time_limit, say)
-        except Infeasible:
+        current = _solved_again(problem, found, propagated, t0, time_limit, say)
+        if current is None:
             break
-        plan, memory = propagated(choice)
-        current = Settled(plan, memory, choice, optimal and found.optimal, status)
-        if target is None or memory.total <= target:
+        if target is None or current.memory.total <= target:
             fits.append(current)
     best = min(fits, key=lambda f: step_bytes(f.plan))
     problem.excluded.clear()
     return best
+
+
+def _solved_again(problem, found: Settled, propagated, t0, time_limit, say) -> Settled | None:
+    """The integer program solved again as ``problem`` now stands (a layout excluded, a
+    budget moved) and propagated; None when no layout is left. Optimal only if ``found``
+    was too."""
+    try:
+        choice, optimal, status = solve(problem, t0, time_limit, say)
+    except Infeasible:
+        return None
+    plan, memory = propagated(choice)
+    return Settled(plan, memory, choice, optimal and found.optimal, status)
 
 
 RELAXES = 3  # the most solves `_relaxed` adds
@@ -283,16 +292,13 @@ def _relaxed(problem, found: Settled, target, propagated, t0, time_limit, say) -
         problem.budget = trial
         say(f"propagation needs {human_bytes(best.memory.total)} of {human_bytes(target)}: "
             f"solving again within a model budget of {human_bytes(trial)}")  # fmt: skip
-        try:
-            choice, optimal, status = solve(problem, t0, time_limit, say)
-        except Infeasible:
+        candidate = _solved_again(problem, found, propagated, t0, time_limit, say)
+        if candidate is None:
             break
-        plan, memory = propagated(choice)
-        if memory.total > target:
+        if candidate.memory.total > target:
             failing = trial
             continue
         fitting = trial
-        candidate = Settled(plan, memory, choice, optimal and found.optimal, status)
         if seconds(candidate) < seconds(best):
             best = candidate
     problem.budget = original
