@@ -119,6 +119,9 @@ class Graph:
     # a link application -> the first application of the nested jaxpr it links (its
     # loop or call body, which the graph lists before the links)
     link_body: dict[int, int] = field(default_factory=dict, repr=False)
+    # the link applications whose operand is the outer result a nested jaxpr's result
+    # flows into (the value moves from the link's result to its operand)
+    out_links: set[int] = field(default_factory=set, repr=False)
     # equations propagation does not cross (shard_map): their collectives are the program's
     boundaries: list[Boundary] = field(default_factory=list)
     unknown: dict[str, str] = field(default_factory=dict)  # primitive -> first source line
@@ -520,6 +523,7 @@ def _build_regions(
     for i, vid, rule in pending:
         if vid != results[i]:
             rule = rule or identity_rule(g.shapes[results[i]])
+            g.out_links.add(len(g.apps))
             g.apps.append(App(rule, (results[i],), (vid,), AppKind.LINK, eqn, where[1]))
     for a in range(body, len(g.apps)):
         if g.apps[a].kind is AppKind.LINK and g.apps[a].eqn is eqn:

@@ -332,7 +332,41 @@ class Plan:
             35789824
         """
         live = fused_liveness(self.graph, liveness(self.graph, dead_apps(self.graph)))
-        return memory_estimate(self.graph, self.dims, self.axis_sizes, self.out_dims, live)
+        return memory_estimate(
+            self.graph, self.dims, self.axis_sizes, self.out_dims, live, self.moved_copies()
+        )
+
+    def moved_copies(self) -> list[tuple[int, int, int]]:
+        """The buffers no value holds: operands moved for their use (a parameter
+        gathered from its storage layout), alive from the use that moves it to the last
+        later contraction in the same XLA computation that reads the same copy (XLA
+        merges those collectives, `_move_operand`), and the working buffers of results
+        computed in a larger layout (a gradient summed whole, then reduce-scattered);
+        as ``(first, last, bytes per device)``.
+
+        Example:
+            >>> plan.moved_copies()  # doctest: +SKIP
+            [(212, 480, 2101346304)]
+        """
+        g = self.graph
+        last: dict[tuple, int] = {}
+        for a, vid, dst in self.repeats:
+            key = (vid, dst, xla_scope(g.apps[a].where))
+            last[key] = max(last.get(key, a), a)
+        copies = []
+        for r in self.reshards:
+            if r.vid in g.apps[r.app].results:
+                # computed in its working layout (a partial sum), then moved: the working
+                # buffer is alive while the equation and its collective run
+                size = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.src, self.axis_sizes)
+                own = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.dst, self.axis_sizes)
+                if size > own:
+                    copies.append((r.app, r.app, size))
+                continue
+            size = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.dst, self.axis_sizes)
+            key = (r.vid, r.dst, xla_scope(g.apps[r.app].where))
+            copies.append((r.app, max(r.app, last.get(key, r.app)), size))
+        return copies
 
     @property
     def predicted_bytes(self) -> float:
@@ -550,7 +584,10 @@ def app_moves(
         ([(17, (('data',), ()), ((), ()), frozenset())], frozenset())
     """
     dims = prop.state.dims
-    results = prop.graph.apps[a].results
+    graph = prop.graph
+    results = graph.apps[a].results
+    if a in graph.out_links and _slices(dims[graph.apps[a].operands[0]], dims[results[0]]):
+        return [], frozenset()  # each device cuts its part of the nested result: no move
     wants: dict[int, list[DimSharding]] = {}
     working, axes = prop.working(a)
     axes = axes.kept(lambda x: axis_sizes[x] > 1)  # one device: summed already
@@ -566,6 +603,21 @@ def app_moves(
         if axes or r in wants:
             moves.append((r, tuple(wants.get(r, dims[r])), tuple(dims[r]), axes))
     return moves, axes
+
+
+def _slices(outer: Sequence[DimSharding], inner: Sequence[DimSharding]) -> bool:
+    """Whether a nested result in layout ``inner`` reaches the outer value's layout
+    ``outer`` by a local slice: ``outer`` (less a leading stacked dim) only adds axes.
+
+    Example:
+        >>> _slices([(), ("data",), ()], [(), ()]), _slices([("data",)], [("model",)])
+        (True, False)
+    """
+    lead = len(outer) - len(inner)
+    return lead in (0, 1) and all(
+        o is not None and i is not None and tuple(o[: len(i)]) == tuple(i)
+        for o, i in zip(outer[lead:], inner, strict=True)
+    )
 
 
 def make_plan(
@@ -767,10 +819,13 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
     From the new value of each stored leaf, back through the elementwise equations that
     make it (the optimizer's update) to the gradient: every value that only the step's
     new state depends on (not the loss or any other result) and whose layout the storage
-    layout refines (adds axes to replicated dims) takes the storage layout. The first
-    propagation run can leave such a chain replicated on the storage axis (a dim the
-    activations' hints replicate reaches the gradient and the update): the plan then
-    all-reduced the gradient and gathered the parameter and its moments for the update.
+    layout refines (adds axes to replicated dims) takes the storage layout. So do the
+    unpinned state leaves the update reads (the optimizer's moments: argument and new
+    value) and a loop's stacked gradient (each iteration's slice is cut where it is
+    stored). The first propagation run can leave such a chain replicated on the storage
+    axis (a dim the activations' hints replicate reaches the gradient and the update):
+    the plan then kept the moments whole on every device and gathered them for the
+    results.
 
     Example:
         >>> store_updates(graph, prop, storage)  # doctest: +SKIP
@@ -787,6 +842,23 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
         if any(r in needed for r in app.results):
             needed.update(app.operands)
     args = set(graph.in_vids)
+    # a loop's stacked results (a scanned gradient): each iteration's slice is cut from
+    # the body's value where it is stored, so the stack can take the storage layout
+    made = {v for app in graph.apps if app.kind is AppKind.EQN for v in app.results}
+    stacked_results = {
+        app.operands[0]
+        for app in graph.apps
+        if app.kind is AppKind.LINK and len(app.operands) == 1 and len(app.results) == 1
+        and app.results[0] in made
+        and len(graph.shapes[app.operands[0]]) == len(graph.shapes[app.results[0]]) + 1
+    }  # fmt: skip
+    # the unpinned state leaves (optimizer moments): they follow the parameter whose
+    # update reads them, argument and new value alike
+    followers = {
+        graph.out_vids[o]: graph.in_vids[i]
+        for i, o in graph.ties
+        if graph.in_vids[i] not in prop.hinted and graph.out_vids[o] not in prop.hinted
+    }
     for i, o in graph.ties:
         pin = storage.get(graph.in_vids[i])
         new = graph.out_vids[o]
@@ -795,26 +867,42 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
         work, seen = [(new, tuple(pin.dims))], set()
         while work:
             v, layout = work.pop()
-            if v in seen or v in needed or v in args or (v in state_out and v != new):
-                continue  # another state leaf's new value keeps its own layout
+            if v in seen or v in needed or v in args:
+                continue
+            if v in state_out and v != new and v not in followers:
+                continue  # another pinned state leaf's new value keeps its own layout
             if not _refines(layout, dims[v]) or not _divides(
                 layout, graph.shapes[v], prop.axis_sizes
             ):
                 continue
             seen.add(v)
+            arg = followers.get(v)
+            if arg is not None and v != new:
+                if arg in seen or arg in prop.hinted or not _refines(layout, dims[arg]):
+                    continue
+                seen.add(arg)
+                _store(dims[arg], origins[arg], layout, f"{pin.source}, its optimizer state")
+                prop.hinted.add(arg)
+                prop.hinted.add(v)
+            if v in stacked_results:
+                _store(dims[v], origins[v], layout, f"{pin.source}, its update")
+                continue
             a = producer.get(v)
             if a is None or xla_scope(graph.apps[a].where):
                 continue  # made inside a loop or a branch: left as propagated
             app = graph.apps[a]
             if not all(f.kind is FactorKind.PASS for f in app.rule.factors):
                 continue  # the gradient: sliced where the update reads it
-            for d, axes in enumerate(layout):
-                if axes is not None and dims[v][d] != axes:
-                    dims[v][d] = axes
-                    origins[v][d] = Origin(
-                        OriginKind.HINT, f"{pin.source}, its update", rank=STORAGE_RANK
-                    )
+            _store(dims[v], origins[v], layout, f"{pin.source}, its update")
             work.extend(zip(app.operands, _operand_layouts(app, v, layout)))
+
+
+def _store(dims: list, origins: list, layout: Sequence[DimSharding], text: str) -> None:
+    """Write a storage layout's set dims into one value's state."""
+    for d, axes in enumerate(layout):
+        if axes is not None and dims[d] != axes:
+            dims[d] = axes
+            origins[d] = Origin(OriginKind.HINT, text, rank=STORAGE_RANK)
 
 
 def _operand_layouts(app, v: int, layout) -> list[tuple[DimSharding, ...]]:
@@ -872,9 +960,62 @@ def decide(traced: Traced, graph: Graph, prop: Propagator, mesh: Mesh) -> Plan:
         >>> plan = decide(traced, graph, propagate_hints(traced, graph, mesh), mesh)  # doctest: +SKIP
     """
     split_for_memory(graph, prop, has_reduce_scatter(mesh))
-    prop.default(graph.in_vids, UNREACHED)
-    prop.default(range(len(graph.shapes)), UNREACHED)
+    settle_open(prop)
     return Plan(traced, graph, prop, mesh)
+
+
+def settle_open(prop: Propagator) -> None:
+    """Replicate what propagation left open (the arguments first, then everything else)
+    and keep stacked slices in their stack's layout (`sink_stacked_gathers`).
+
+    Example:
+        >>> settle_open(prop)  # doctest: +SKIP
+    """
+    g = prop.graph
+    prop.default(g.in_vids, UNREACHED)
+    prop.default(range(len(g.shapes)), UNREACHED)
+    sink_stacked_gathers(g, prop)
+
+
+def sink_stacked_gathers(graph: Graph, prop: Propagator) -> None:
+    """Gather a scanned stack one slice per iteration, not whole before the loop.
+
+    Where a loop body needs a stacked input (layer weights under `lax.scan`) in a
+    coarser layout than the stack's (FSDP: stored split, used whole), the slice the body
+    reads keeps the stack's layout and is gathered at its uses inside the body, once per
+    iteration. That moves the same bytes as gathering the whole stack at the loop, holds
+    one gathered layer instead of all of them, and is what XLA does with the stack left
+    in its stored layout (a dynamic slice, then the all-gather).
+
+    Example:
+        >>> sink_stacked_gathers(plan.graph, prop)  # doctest: +SKIP
+    """
+    dims, origins = prop.state.dims, prop.state.origins
+    made = {v for app in graph.apps if app.kind is not AppKind.LINK for v in app.results}
+    for a, app in enumerate(graph.apps):
+        if app.kind is not AppKind.LINK or len(app.operands) != 1 or len(app.results) != 1:
+            continue
+        stack, piece = app.operands[0], app.results[0]
+        factors = app.rule.factors
+        if (
+            piece in made  # a body's result linked to a stacked output
+            or not factors
+            or factors[0].kind is not FactorKind.NEED_REPLICATION
+            or len(graph.shapes[stack]) != len(graph.shapes[piece]) + 1
+        ):
+            continue
+        stored, used = dims[stack][1:], dims[piece]
+        if any(d is None for d in (*stored, *used)) or tuple(stored) == tuple(used):
+            continue
+        if not all(tuple(s[: len(u)]) == tuple(u) for s, u in zip(stored, used, strict=True)):
+            continue  # not a gather: the body's layout is not coarser than the stack's
+        for d, axes in enumerate(stored):
+            if axes != used[d]:
+                dims[piece][d] = axes
+                origins[piece][d] = Origin(
+                    OriginKind.PROPAGATED, app=a, source=stack, source_dim=d + 1,
+                    rank=origins[stack][d + 1].rank if origins[stack][d + 1] else DEFAULT_RANK,
+                )  # fmt: skip
 
 
 # A state leaf is worth pricing a split for when it holds at least this share of the
@@ -898,8 +1039,7 @@ class _Pricing:
         g = prop.graph
         self.reduce_scatter = reduce_scatter
         final = prop.fork()
-        final.default(g.in_vids, UNREACHED)
-        final.default(range(len(g.shapes)), UNREACHED)
+        settle_open(final)
         self.final, self.runs, self.apps = final, runs, set(apps)
         # per application (cost, gathered bytes), priced when first needed
         self.costs: dict[int, tuple[float, float]] = {}
@@ -946,8 +1086,7 @@ class _Pricing:
         propagation with a decision added) is settled as `decide` settles it."""
         g = prop.graph
         final = prop.fork()
-        final.default(g.in_vids, UNREACHED)
-        final.default(range(len(g.shapes)), UNREACHED)
+        settle_open(final)
         now, old = final.state.dims, self.final.state.dims
         return {v: now[v] for v in range(len(now)) if now[v] != old[v]}
 
@@ -1183,6 +1322,10 @@ def split_storage(
             continue
         note = f" (storage: the computation spends {', '.join(map(repr, axes))} elsewhere)"
         storage[vid] = Pin(pin.dims, pin.source + note, pin.kind, pin.parts, pin.hint)
+        # a dim the hint leaves unsplit is part of the storage statement too: pinned
+        # replicated on the computation, it would force every dim one factor ties to it
+        # replicated (FSDP over every axis: the embedding's model dim, then each
+        # weight's contraction dim, which then gathers the whole stack at the loop)
         kept = tuple(_compute_part(d, a) for d, a in zip(pin.dims, apart))
         if any(d is not None for d in kept):
             compute[vid] = Pin(kept, pin.source, pin.kind, pin.parts, pin.hint)
