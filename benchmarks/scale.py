@@ -64,7 +64,8 @@ MESHES = {
 SLACK = 1.1
 SEARCH_DOC = (
     "The search (`search=True`) from the batch hint and from no hints at all, with each hand "
-    "layout's compiled memory plus 10% (the estimate's tolerance) as `memory_budget`. "
+    "layout's compiled memory plus 10% (the estimate's tolerance) as `memory_budget` and "
+    "that layout's batch layout as the batch hint. "
     '"fits": the searched plan\'s compiled memory is within the budget; "bytes vs it": its '
     "compiled collective bytes over those of the hand layout that moves the fewest among "
     "those whose compiled memory is within the budget."
@@ -185,14 +186,17 @@ def search_rows(w, mesh, axes, hand: list[dict], tight: bool = False) -> list[di
     import jaxshard
 
     rows = []
-    budgets = sorted({round(SLACK * r["memory"]) for r in hand})
-    for budget in budgets[:1] if tight else budgets:
+    # each budget with the hand layout it comes from, whose batch layout is the hint
+    budgets = sorted({(round(SLACK * r["memory"]), r["layout"]) for r in hand})
+    for budget, source in budgets[:1] if tight else budgets:
         fitting = [r for r in hand if r["memory"] <= budget]
         best = min(fitting, key=lambda r: r["bytes"])
+        batch = hints_for(source, axes)[r"batch/.*"]
         for hinted in (True,) if tight else (True, False):
-            hints = {r"batch/.*": hints_for("megatron", axes)[r"batch/.*"]} if hinted else {}
+            hints = {r"batch/.*": batch} if hinted else {}
             row = {"model": best["model"], "layers": best["layers"], "mesh": best["mesh"],
                    "axes": best["axes"], "budget": budget, "hinted": hinted,
+                   "batch": str(batch) if hinted else "",
                    "best": best["layout"], "best_bytes": best["bytes"],
                    "best_memory": best["memory"]}  # fmt: skip
             step = jaxshard.auto_shard(mesh, hints, search=True, memory_budget=budget)(w.step)
@@ -236,7 +240,7 @@ def search_table(rows: list[dict]) -> str:
     ]
     for r in rows:
         head = (f"| {r['model']} ({r['layers']}L) | {r['mesh']} ({r['axes']}) | "
-                f"{'batch hint' if r['hinted'] else 'no hints'} | {gib(r['budget'])} |")  # fmt: skip
+                f"{'batch ' + r['batch'] if r['hinted'] else 'no hints'} | {gib(r['budget'])} |")  # fmt: skip
         hand = f"{r['best']}: {gib(r['best_bytes'])}, {gib(r['best_memory'])}"
         if "error" in r:
             lines.append(f"{head} — | {r['error']} | **no** | | | {hand} | |")
