@@ -142,20 +142,11 @@ class MemoryModel:
 
     def _buffer(self, v: int, inner: int | None, fills: tuple[int, ...], choice) -> int:
         """Per-device bytes of intermediate ``v``'s buffer under a choice
-        (`jaxshard.cost.buffer_bytes`, and 0 when a result's buffer holds it: a loop's
-        stacked gradient of a parameter stored apart takes the parameter's storage
-        layout, so it fills the new parameter's buffer)."""
+        (`jaxshard.cost.buffer_bytes`, and 0 when a result's buffer holds it)."""
         dims = {u: tuple(self.axes(r, choice) for r in self.refs(u)) for u in (v, inner)
                 if u is not None}  # fmt: skip
         size = buffer_bytes(self.graph, v, dims, self.sizes, self.live)
-        for o in fills:
-            held = self._result_bytes(o, choice)
-            if held == size:
-                return 0
-            i = self._tied_arg().get(o)
-            if i is not None and held < size and self.stored_apart(i, choice):
-                return 0  # a gradient stored like its parameter (`store_updates`)
-        return size
+        return 0 if any(self._result_bytes(o, choice) == size for o in fills) else size
 
     def _static_memory(self) -> float:
         """Bytes of arguments and results that no decision touches."""
