@@ -16,7 +16,7 @@ the same cost model (matrix-multiply FLOPs over peak, plus each collective's byt
 the bandwidth of the links its axes span: `jaxshard.baseline.compiled_step_time`), its
 memory from `memory_analysis()`. "fits": compiled memory within 80 GiB (within its
 own limit for an ``auto_parallel`` row run with a tighter one: 8B on 64 devices also
-with 24 GiB, where no hand strategy fits).
+with 24 GiB, compared with the hand strategies that compile within it).
 """
 
 from __future__ import annotations
