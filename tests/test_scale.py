@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from jaxshard import jax_compat
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -79,9 +81,11 @@ def test_the_search_keeps_its_budget_at_the_8b_shape(rows):
 
 
 @pytest.mark.xfail(
+    jax_compat.JAX_VERSION < (0, 11),
     strict=True,
-    reason="the search stores the embedding's moments apart from the table; XLA then "
-    "all-to-alls the gradient's rows where the plan reduce-scatters it: 1.013x FSDP+TP",
+    reason="the search stores the embedding's moments apart from the table; JAX 0.10's "
+    "XLA then all-to-alls the gradient's rows where the plan reduce-scatters it: 1.013x "
+    "FSDP+TP",
 )
 def test_the_search_moves_no_more_than_the_best_hand_layout_at_the_8b_shape(rows):
     """Within that budget, the searched plan moves no more bytes than the hand layout
