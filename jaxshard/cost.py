@@ -966,9 +966,7 @@ def buffer_bytes(graph, v: int, dims, axis_sizes: Mapping[str, int], live: Liven
     inner = live.stacked.get(v)
     if inner is None or dims[inner] is None:
         return own
-    if all(
-        tuple(s[: len(i)]) == tuple(i) for s, i in zip(dims[v][1:], dims[inner], strict=True)
-    ):
+    if all(tuple(s[: len(i)]) == tuple(i) for s, i in zip(dims[v][1:], dims[inner], strict=True)):
         return own  # the stack's layout slices the iteration's: each slice is cut locally
     layers = graph.shapes[v][0]
     each = per_device_bytes(graph.shapes[inner], graph.dtypes[inner], dims[inner], axis_sizes)

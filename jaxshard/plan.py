@@ -1084,7 +1084,6 @@ class _Pricing:
     def settled_changes(self, prop: Propagator) -> dict[int, list[DimSharding]]:
         """The values whose layout differs from this plan's once ``prop`` (this plan's
         propagation with a decision added) is settled as `decide` settles it."""
-        g = prop.graph
         final = prop.fork()
         settle_open(final)
         now, old = final.state.dims, self.final.state.dims

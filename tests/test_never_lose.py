@@ -153,7 +153,7 @@ def test_fsdp_over_every_axis_keeps_its_optimizer_state_and_gathers_each_layer(m
     assert layers
     for name in layers:
         for moment in ("mu", "nu"):
-            assert specs[f"opt_state/0/{moment}/{name[len('params/'):]}"] == specs[name], name
+            assert specs[f"opt_state/0/{moment}/{name[len('params/') :]}"] == specs[name], name
     stack = {plan.graph.in_vids[plan.traced.in_names.index(n)] for n in layers}
     n_layers = w.cfg.n_layers
     gathers = [r for r in plan.reshards if any("all-gather" in c for c in r.collectives)]
