@@ -1321,10 +1321,6 @@ def split_storage(
             continue
         note = f" (storage: the computation spends {', '.join(map(repr, axes))} elsewhere)"
         storage[vid] = Pin(pin.dims, pin.source + note, pin.kind, pin.parts, pin.hint)
-        # a dim the hint leaves unsplit is part of the storage statement too: pinned
-        # replicated on the computation, it would force every dim one factor ties to it
-        # replicated (FSDP over every axis: the embedding's model dim, then each
-        # weight's contraction dim, which then gathers the whole stack at the loop)
         kept = tuple(_compute_part(d, a) for d, a in zip(pin.dims, apart))
         if any(d is not None for d in kept):
             compute[vid] = Pin(kept, pin.source, pin.kind, pin.parts, pin.hint)
