@@ -144,8 +144,8 @@ def test_fsdp_over_every_axis_keeps_its_optimizer_state_and_gathers_each_layer(m
     """Weights stored over every axis, the batch over every axis (the weights are used
     whole): the AdamW moments take their parameter's storage layout (not replicated),
     each layer's weight is gathered inside the layer loop once per iteration (not the
-    whole stack before it), the scanned gradient is stored like its parameter, the
-    compiled program moves what the plan predicts, and two steps match the unsharded."""
+    whole stack before it), the compiled program moves what the plan predicts, and two
+    steps match the unsharded."""
     w, sharded, plan = _fsdp_everywhere(mesh)
     specs = dict(zip(plan.traced.in_names,
                      jax.tree.leaves(plan.in_specs, is_leaf=lambda x: isinstance(x, P))))  # fmt: skip
