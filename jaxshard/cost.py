@@ -21,7 +21,7 @@ from jax.extend.core import Literal
 from jax.sharding import AbstractMesh
 
 from jaxshard.graph import AppKind, elementwise_reach, find_root
-from jaxshard.lattice import DimSharding
+from jaxshard.lattice import DimSharding, slices_locally
 from jaxshard.rule import FactorKind
 
 
@@ -966,7 +966,7 @@ def buffer_bytes(graph, v: int, dims, axis_sizes: Mapping[str, int], live: Liven
     inner = live.stacked.get(v)
     if inner is None or dims[inner] is None:
         return own
-    if all(tuple(s[: len(i)]) == tuple(i) for s, i in zip(dims[v][1:], dims[inner], strict=True)):
+    if slices_locally(dims[v][1:], dims[inner]):
         return own  # the stack's layout slices the iteration's: each slice is cut locally
     layers = graph.shapes[v][0]
     each = per_device_bytes(graph.shapes[inner], graph.dtypes[inner], dims[inner], axis_sizes)

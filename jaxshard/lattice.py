@@ -87,6 +87,23 @@ def merge_dim(a: DimSharding, b: DimSharding) -> tuple[DimSharding, bool]:
     return a, True
 
 
+def slices_locally(finer: Sequence[DimSharding], coarser: Sequence[DimSharding]) -> bool:
+    """Whether a value laid out as ``coarser`` reaches ``finer`` by a local slice: each
+    dim of ``finer`` starts with the axes of the same dim of ``coarser`` (it only adds
+    minor axes); an open dim never does.
+
+    Example:
+        >>> slices_locally([("data", "model"), ()], [("data",), ()])
+        True
+        >>> slices_locally([("model", "data")], [("data",)])
+        False
+    """
+    return all(
+        f is not None and c is not None and tuple(f[: len(c)]) == tuple(c)
+        for f, c in zip(finer, coarser, strict=True)
+    )
+
+
 def spec_entry(dim: DimSharding) -> object:
     """The PartitionSpec entry for one dim state.
 

@@ -46,7 +46,7 @@ from jaxshard.cost import (
 )
 from jaxshard.errors import JaxshardBug, ShardingError
 from jaxshard.graph import AppKind, Graph, build_graph, find_root
-from jaxshard.lattice import DimSharding, spec_entry, to_spec
+from jaxshard.lattice import DimSharding, slices_locally, spec_entry, to_spec
 from jaxshard.propagate import (
     DEFAULT_RANK,
     STORAGE_RANK,
@@ -607,17 +607,14 @@ def app_moves(
 
 def _slices(outer: Sequence[DimSharding], inner: Sequence[DimSharding]) -> bool:
     """Whether a nested result in layout ``inner`` reaches the outer value's layout
-    ``outer`` by a local slice: ``outer`` (less a leading stacked dim) only adds axes.
+    ``outer`` by a local slice (`slices_locally`), less a leading stacked dim.
 
     Example:
         >>> _slices([(), ("data",), ()], [(), ()]), _slices([("data",)], [("model",)])
         (True, False)
     """
     lead = len(outer) - len(inner)
-    return lead in (0, 1) and all(
-        o is not None and i is not None and tuple(o[: len(i)]) == tuple(i)
-        for o, i in zip(outer[lead:], inner, strict=True)
-    )
+    return lead in (0, 1) and slices_locally(outer[lead:], inner)
 
 
 def make_plan(
@@ -844,14 +841,12 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
     args = set(graph.in_vids)
     # a loop's stacked results (a scanned gradient): each iteration's slice is cut from
     # the body's value where it is stored, so the stack can take the storage layout
-    made = {v for app in graph.apps if app.kind is AppKind.EQN for v in app.results}
     stacked_results = {
-        app.operands[0]
-        for app in graph.apps
-        if app.kind is AppKind.LINK and len(app.operands) == 1 and len(app.results) == 1
-        and app.results[0] in made
-        and len(graph.shapes[app.operands[0]]) == len(graph.shapes[app.results[0]]) + 1
-    }  # fmt: skip
+        graph.apps[a].operands[0]
+        for a in graph.out_links
+        if len(graph.shapes[graph.apps[a].operands[0]])
+        == len(graph.shapes[graph.apps[a].results[0]]) + 1
+    }
     # the unpinned state leaves (optimizer moments): they follow the parameter whose
     # update reads them, argument and new value alike
     followers = {
@@ -991,23 +986,19 @@ def sink_stacked_gathers(graph: Graph, prop: Propagator) -> None:
         >>> sink_stacked_gathers(plan.graph, prop)  # doctest: +SKIP
     """
     dims, origins = prop.state.dims, prop.state.origins
-    made = {v for app in graph.apps if app.kind is not AppKind.LINK for v in app.results}
     for a, app in enumerate(graph.apps):
-        if app.kind is not AppKind.LINK or len(app.operands) != 1 or len(app.results) != 1:
-            continue
+        if app.kind is not AppKind.LINK or a in graph.out_links or len(app.results) != 1:
+            continue  # only a loop's stacked inputs: an out-link carries a body's result
         stack, piece = app.operands[0], app.results[0]
         factors = app.rule.factors
         if (
-            piece in made  # a body's result linked to a stacked output
-            or not factors
+            not factors
             or factors[0].kind is not FactorKind.NEED_REPLICATION
             or len(graph.shapes[stack]) != len(graph.shapes[piece]) + 1
         ):
             continue
         stored, used = dims[stack][1:], dims[piece]
-        if any(d is None for d in (*stored, *used)) or tuple(stored) == tuple(used):
-            continue
-        if not all(tuple(s[: len(u)]) == tuple(u) for s, u in zip(stored, used, strict=True)):
+        if tuple(stored) == tuple(used) or not slices_locally(stored, used):
             continue  # not a gather: the body's layout is not coarser than the stack's
         for d, axes in enumerate(stored):
             if axes != used[d]:

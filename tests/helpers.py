@@ -27,3 +27,17 @@ def assert_leaves_match(actual, expected, rel=1e-4):
         assert err <= rel * scale, (
             f"{jax.tree_util.keystr(path)}: max error {err:.3g} > {rel} x {scale:.3g}"
         )
+
+
+def assert_steps_match(sharded, reference, params, opt_state, batch, steps=2, state=False):
+    """Run ``steps`` train steps (``(params, opt_state, batch) -> (params, opt_state,
+    loss)``) sharded and on the reference: each step's loss within 1e-5 and its new
+    parameters (and with ``state`` its optimizer state) within `assert_leaves_match`."""
+    p, s, rp, rs = params, opt_state, params, opt_state
+    for i in range(steps):
+        p, s, loss = sharded(p, s, batch)
+        rp, rs, ref_loss = reference(rp, rs, batch)
+        assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss)), i
+        assert_leaves_match(p, rp)
+        if state:
+            assert_leaves_match(s, rs)

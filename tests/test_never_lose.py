@@ -19,7 +19,7 @@ import jax
 import models
 import optax
 import pytest
-from helpers import assert_leaves_match
+from helpers import assert_steps_match
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -120,12 +120,7 @@ def test_fsdp_weight_is_stored_sharded_and_gathered_at_use(mesh, model):
     moves = {c for r in plan.reshards for c in r.collectives}
     assert "all-gather over data" in moves, moves  # the stored weight, gathered at its use
     assert not any(c.startswith("all-to-all") for c in moves), moves  # storage leaked
-    p, s, rp, rs = params, opt_state, params, opt_state
-    for i in range(2):
-        p, s, loss = sharded(p, s, batch)
-        rp, rs, ref_loss = reference(rp, rs, batch)
-        assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss)), i
-        assert_leaves_match(p, rp)
+    assert_steps_match(sharded, reference, params, opt_state, batch)
 
 
 @functools.cache
@@ -164,11 +159,4 @@ def test_fsdp_over_every_axis_keeps_its_optimizer_state_and_gathers_each_layer(m
     assert not check.missing and all(c.bytes <= 512 for c in check.unpredicted), check.surprises
     assert abs(check.compiled_bytes / check.predicted_bytes - 1) <= 0.01, check.surprises
     params, opt_state, batch = w.concrete_args()
-    reference = jax.jit(w.step)
-    p, s, rp, rs = params, opt_state, params, opt_state
-    for i in range(2):
-        p, s, loss = sharded(p, s, batch)
-        rp, rs, ref_loss = reference(rp, rs, batch)
-        assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss)), i
-        assert_leaves_match(p, rp)
-        assert_leaves_match(s, rs)
+    assert_steps_match(sharded, jax.jit(w.step), params, opt_state, batch, state=True)
