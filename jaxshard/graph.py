@@ -567,3 +567,16 @@ def tied_results(traced: Traced) -> list[tuple[int, int]]:
                 ties.extend(zip(in_leaves, out_leaves))
                 break
     return ties
+
+
+def contracts(app) -> bool:
+    """Whether an equation sums over a dim of its operands (a matmul, a convolution); an
+    indexed reduction is a lookup (a gather's table dim), not a contraction.
+
+    Example:
+        >>> contracts(plan.graph.apps[0])  # doctest: +SKIP
+        True
+    """
+    return app.kind is AppKind.EQN and any(
+        f.kind is FactorKind.REDUCTION and not f.indexed for f in app.rule.factors
+    )

@@ -45,7 +45,7 @@ from jaxshard.cost import (
     xla_scope,
 )
 from jaxshard.errors import JaxshardBug, ShardingError
-from jaxshard.graph import AppKind, Graph, build_graph, find_root
+from jaxshard.graph import AppKind, Graph, build_graph, contracts, find_root
 from jaxshard.lattice import DimSharding, slices_locally, spec_entry, to_spec
 from jaxshard.propagate import (
     DEFAULT_RANK,
@@ -126,19 +126,6 @@ def register_stage(name: str, fn: Callable[..., Any]) -> None:
 
 def _stage(name: str) -> Callable[..., Any]:
     return _STAGES[name]  # registered when the jaxshard package is imported, before any plan
-
-
-def contracts(app) -> bool:
-    """Whether an equation sums over a dim of its operands (a matmul, a convolution); an
-    indexed reduction is a lookup (a gather's table dim), not a contraction.
-
-    Example:
-        >>> contracts(plan.graph.apps[0])  # doctest: +SKIP
-        True
-    """
-    return app.kind is AppKind.EQN and any(
-        f.kind is FactorKind.REDUCTION and not f.indexed for f in app.rule.factors
-    )
 
 
 class Plan:
@@ -822,7 +809,9 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
     stored). The first propagation run can leave such a chain replicated on the storage
     axis (a dim the activations' hints replicate reaches the gradient and the update):
     the plan then kept the moments whole on every device and gathered them for the
-    results.
+    results. A value a non-scalar result of the step depends on keeps its layout; a
+    scalar result (a norm of the gradients or of the new parameters, as a training
+    step's metrics) does not hold it.
 
     Example:
         >>> store_updates(graph, prop, storage)  # doctest: +SKIP
@@ -833,8 +822,10 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
         for v in app.results if app.kind is not AppKind.TIE else ():
             producer.setdefault(v, a)
     state_out = {graph.out_vids[o] for _, o in graph.ties}
-    # values some other result depends on: the computation's, never touched
-    needed = {v for v in graph.out_vids if v not in state_out}
+    # values some other result depends on: the computation's, never touched. A scalar
+    # result (the loss, a gradient's or the new parameters' norm) reads what it reduces
+    # in any layout, for a scalar's all-reduce: it does not hold the update in its own.
+    needed = {v for v in graph.out_vids if v not in state_out and graph.shapes[v]}
     for app in reversed(graph.apps):
         if any(r in needed for r in app.results):
             needed.update(app.operands)
@@ -1239,9 +1230,10 @@ def split_storage(
     """Split the pins into the computation's layout and storage layouts (FSDP/ZeRO).
 
     The state of a step (the arguments whose new value it returns: parameters,
-    optimizer state) is where a layout can be a *storage* layout: a mesh axis that a
-    pin on anything else (the batch, an in-function hint) spends on the computation is,
-    on a state leaf, only where that leaf lives between steps, unless the computation
+    optimizer state) is where a layout can be a *storage* layout: a mesh axis that the
+    pins on the other arguments (the batch) spend on the computation is, on a state
+    leaf, only where that leaf lives between steps (with no such pin, the in-function
+    hints count instead: the step lays its batch out inside), unless the computation
     spends it on that very dim: an axis that a pin on anything else puts on a dim one
     factor ties to the leaf's dim (`_dim_classes`) stays on the computation (MaxText's
     layout puts the MLP's hidden dim on "tensor" both in the activations and in the
@@ -1269,9 +1261,13 @@ def split_storage(
     # the pipeline's stage pins spend their axis on the layer stack the state leaves hold
     pipeline = (PinKind.PIPELINE, PinKind.MICROBATCHES)
     spent = {vid: pin for vid, pin in pins.items() if pin.kind not in pipeline}
-    used = {
-        ax for vid, pin in spent.items() if vid not in state for d in pin.dims for ax in d or ()
-    }
+    # the axes the batch spends: the pins on the other arguments, else (no such pin: the
+    # step lays its data out inside) every other pin
+    args = set(graph.in_vids)
+    data = [pin for vid, pin in spent.items() if vid not in state and vid in args]
+    if not data:
+        data = [pin for vid, pin in spent.items() if vid not in state]
+    used = {ax for pin in data for d in pin.dims for ax in d or ()}
     stored = [
         vid
         for vid, pin in pins.items()

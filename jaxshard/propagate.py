@@ -27,9 +27,9 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from jaxshard.annotate import Pin
-from jaxshard.cost import CostModel, PartialSum, reshard_collectives
+from jaxshard.cost import CostModel, PartialSum, reshard_collectives, xla_scope
 from jaxshard.errors import JaxshardBug
-from jaxshard.graph import Graph
+from jaxshard.graph import AppKind, Graph, contracts
 from jaxshard.lattice import Axes, DimSharding, format_dim, join_axes, split_axes
 from jaxshard.rule import FactorKind
 
@@ -166,9 +166,40 @@ class Propagator:
             for app in graph.apps
         ]
         self._vids = [(*app.operands, *app.results) for app in graph.apps]
+        reducing: dict[int, frozenset[int]] = {}
+        self._reducing = [
+            reducing.get(id(app.rule))
+            or reducing.setdefault(
+                id(app.rule),
+                frozenset(
+                    i for i, f in enumerate(app.rule.factors) if f.kind is FactorKind.REDUCTION
+                ),
+            )
+            for app in graph.apps
+        ]
+        # proposals through a reduction factor, applied once nothing else moves (`run`)
+        self._deferred: dict[tuple[int, int], list[Proposal]] = {}
         total_dims = sum(len(s) for s in graph.shapes)  # visits a fixed point can need
         self._bound = len(graph.apps) + sum(len(u) for u in self.uses) * 2 + total_dims + 16
         self.hinted: set[int] = set()
+        self._scopes: dict[int, tuple[int, ...]] = {}  # per application, on first use
+        self._producer = {  # a tie makes no value: it links a result to its argument
+            r: a
+            for a, app in enumerate(graph.apps)
+            if app.kind is not AppKind.TIE
+            for r in app.results
+        }
+        # arguments and the values a loop or call passes in: what a hint reaches from afar
+        self._linked = bytearray(len(graph.shapes))
+        for v in graph.in_vids:
+            self._linked[v] = 1
+        for app in graph.apps:
+            if app.kind is AppKind.LINK:
+                for r in app.results:
+                    self._linked[r] = 1
+        self._is_link = bytearray(app.kind is AppKind.LINK for app in graph.apps)
+        self._fed = bytearray(len(graph.shapes))  # see `_feed`
+        self._fed_for: tuple[int, int] | None = None
         self._journal: list | None = None  # while `trying`: (value, dim, old axes, old origin)
         self._queue: deque[int] = deque()
         self._queued = bytearray(len(graph.apps))
@@ -197,6 +228,8 @@ class Propagator:
         other.hinted = set(self.hinted)
         other._queue = deque(self._queue)
         other._queued = bytearray(self._queued)
+        other._deferred = {k: list(v) for k, v in self._deferred.items()}
+        other._fed = bytearray(self._fed)
         other._journal = None  # a fork made inside `trying` writes into its own state only
         return other
 
@@ -224,6 +257,7 @@ class Propagator:
                 origins[vid][d] = origin
             self.state.conflicts, self.hinted, self.state.visits = conflicts, hinted, visits
             self._queue.clear()
+            self._deferred = {}
             self._queued = bytearray(len(self._queued))
 
     # --- seeding -------------------------------------------------------------------
@@ -278,11 +312,23 @@ class Propagator:
         A round reads the state as it was when the round began and applies all writes
         together, so two shardings that reach one open dim in the same round are a
         conflict decided by cost, not by which application was visited first.
+
+        A layout that would reach an argument, or a value a loop passes in, through a
+        reduction factor (a contraction's summed dim: an activation's layout reaching a
+        weight) waits until nothing else moves: the weight's own layout, arriving along
+        its longer path from a hint (through the loop, a transpose), comes first. The
+        other way round, the activation's layout would take the axis the weight's hint
+        gives another of its dims, and the weight would be rearranged at every use.
         """
         bound = self._bound
         visits = 0
         queued, visit = self._queued, self._visit
-        while self._queue:
+        self._feed()
+        while self._queue or self._deferred:
+            if not self._queue:
+                deferred, self._deferred = self._deferred, {}
+                self._apply(deferred)
+                continue
             batch = list(self._queue)
             self._queue.clear()
             proposals: dict[tuple[int, int], list[Proposal]] = {}
@@ -296,6 +342,34 @@ class Propagator:
                 )
             self._apply(proposals)
         self.state.visits += visits
+
+    def _feed(self) -> None:
+        """Mark the values a loop or call passes in from a hinted argument (through
+        layout-preserving equations: a transpose, a type conversion): what reaches them
+        from inside the loop waits (`run`) until the argument's layout has come in."""
+        key = (id(self.hinted), len(self.hinted))
+        if self._fed_for == key:  # hints are added, never removed, but by `trying`'s undo
+            return
+        self._fed_for = key
+        apps, producer = self.graph.apps, self._producer
+        fed = self._fed = bytearray(len(self.graph.shapes))
+        for a, app in enumerate(apps):
+            if not self._is_link[a] or not app.operands:
+                continue
+            v, seen = app.operands[0], set()
+            while v not in self.hinted and v in producer and v not in seen:
+                seen.add(v)
+                src = apps[producer[v]]
+                if (
+                    src.kind is not AppKind.EQN
+                    or len(src.operands) != 1
+                    or not all(f.kind is FactorKind.PASS for f in src.rule.factors)
+                ):
+                    break
+                v = src.operands[0]
+            if v in self.hinted:
+                for r in app.results:
+                    fed[r] = 1
 
     def _apply(self, proposals: dict[tuple[int, int], list[Proposal]]) -> None:
         """Write a round's proposals. A value that changed queues its applications again,
@@ -481,6 +555,8 @@ class Propagator:
         quiet = not conflict and not compound  # see `_apply`
         vids = self._vids[a]
         dims = self.state.dims
+        reducing, deferred, linked = self._reducing[a], self._deferred, self._linked
+        fed, is_link = self._fed, self._is_link
         for t, d, fl, sizes in writable:
             vid = vids[t]
             if dims[vid][d] is not None:
@@ -493,9 +569,16 @@ class Propagator:
                 continue
             src, src_dim = sources.get(fl[0], (-1, -1))
             key = (vid, d)
-            found = proposals.get(key)
+            if new and (
+                (len(fl) == 1 and fl[0] in reducing and linked[vid])
+                or (fed[vid] and not is_link[a])
+            ):
+                into = deferred
+            else:
+                into = proposals
+            found = into.get(key)
             if found is None:
-                proposals[key] = [(new, a, src, src_dim, quiet)]
+                into[key] = [(new, a, src, src_dim, quiet)]
             else:
                 found.append((new, a, src, src_dim, quiet))
 
@@ -609,10 +692,78 @@ class Propagator:
             want = work.get(t, have)
             if t < n_operands:
                 if t in work:
-                    total += self._price(vid, have, want)
+                    total += self._price(vid, have, want) / self._sharers(a, vid, want)
             elif partial or t in work:
                 total += self._price(vid, want, have, partial)
         return total
+
+    def _sharers(self, a: int, vid: int, want) -> int:
+        """How many contractions share one move of operand ``vid`` to ``want`` with
+        application ``a``: ``a`` and the contractions in the same XLA computation reading
+        ``vid`` (or a copy of it) whose other operands and results hold each moved dim's
+        factor in ``want``'s layout already. XLA merges their equal collectives into one
+        (`jaxshard.plan.Plan._move_operand`): one activation feeding the query, key and
+        value projections is gathered once for all three, where reduce-scattering their
+        results costs each its own."""
+        apps = self.graph.apps
+        if not contracts(apps[a]):
+            return 1
+        have = self.state.dims[vid]
+        moved = [d for d, w in enumerate(want) if w != have[d]]
+        scope = self._scope(a)
+        sharers = {a}
+        for v in self._copies(vid):
+            for b in self.uses[v]:
+                if b in sharers or not contracts(apps[b]) or self._scope(b) != scope:
+                    continue
+                if self._holds(b, v, moved, want):
+                    sharers.add(b)
+        return len(sharers)
+
+    def _holds(self, b: int, v: int, moved: list[int], want) -> bool:
+        """Whether application ``b``'s other values hold the factor of each of ``v``'s
+        dims in ``moved`` as ``want`` lays that dim out (at least one known, none other)."""
+        app = self.graph.apps[b]
+        if v not in app.operands:
+            return False
+        t = app.operands.index(v)
+        rule, vids, dims = app.rule, self._vids[b], self.state.dims
+        for d in moved:
+            fl = rule.operands[t][d]
+            if len(fl) != 1:
+                return False
+            known = [
+                dims[vids[t2]][d2]
+                for t2, d2, fl2, _ in self._struct[b][2]
+                if t2 != t and fl2 == fl and dims[vids[t2]][d2] is not None
+            ]
+            if not known or any(k != want[d] for k in known):
+                return False
+        return True
+
+    def _copies(self, vid: int) -> set[int]:
+        """``vid`` and the values that copy it unchanged (a sharding constraint, a
+        checkpoint name) or that it copies, transitively: XLA merges their moves."""
+        apps, producer = self.graph.apps, self._producer
+        root = vid
+        while root in producer and _copies_operand(apps[producer[root]]):
+            root = apps[producer[root]].operands[0]
+        found, todo = {root}, [root]
+        while todo:
+            v = todo.pop()
+            for b in self.uses[v]:
+                if _copies_operand(apps[b]) and apps[b].operands[0] == v:
+                    for r in apps[b].results:
+                        if r not in found:
+                            found.add(r)
+                            todo.append(r)
+        return found
+
+    def _scope(self, a: int) -> tuple[int, ...]:
+        found = self._scopes.get(a)
+        if found is None:
+            found = self._scopes[a] = xla_scope(self.graph.apps[a].where)
+        return found
 
     def _price(self, vid: int, src, dst, partial: frozenset[str] = frozenset()) -> float:
         """What moving value ``vid`` from ``src`` to ``dst`` costs: bytes per device, or
@@ -716,6 +867,15 @@ class Propagator:
 
 
 _RANK_REASON = "a hinted sharding beats a default, and another hint beats a storage layout"
+
+
+_COPIES = frozenset({"sharding_constraint", "copy", "copy_p", "name"})
+
+
+def _copies_operand(app) -> bool:
+    """Whether an application's result is its first operand unchanged (a sharding
+    constraint, a copy, a checkpoint name)."""
+    return app.eqn is not None and app.eqn.primitive.name in _COPIES
 
 
 def _axis_twice(shardings: Iterable[Axes]) -> bool:

@@ -27,15 +27,21 @@ def test_maxtexts_rules_give_its_layouts_and_its_loss(llama):
         assert got.is_equivalent_to(want, len(got.spec) or 1), (got.spec, want.spec)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="propagation around MaxText's 2-D (fsdp x tensor) activation layouts moves "
-    "weight gradients through the wrong tensor dim: 1.3x MaxText's bytes, 1.3x its memory",
-)
-def test_maxtexts_rules_cost_no_more_than_maxtext(llama):
+def test_maxtexts_rules_move_no_more_bytes_than_maxtext(llama):
     m, reference = llama
     row = maxtext_llama.jaxshard_row(m, "rules")
-    assert row.bytes <= 1.05 * reference.bytes and row.memory <= 1.02 * reference.memory
+    assert row.bytes <= 1.05 * reference.bytes
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="XLA's partitioner gathers the MLP's gradient where the plan sums partial "
+    "results (1.2x MaxText's memory, verify's surprises)",
+)
+def test_maxtexts_rules_cost_no_more_memory_than_maxtext(llama):
+    m, reference = llama
+    row = maxtext_llama.jaxshard_row(m, "rules")
+    assert row.memory <= 1.02 * reference.memory
     assert row.surprises == 0
 
 
