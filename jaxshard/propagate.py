@@ -166,18 +166,8 @@ class Propagator:
             for app in graph.apps
         ]
         self._vids = [(*app.operands, *app.results) for app in graph.apps]
-        reducing: dict[int, frozenset[int]] = {}
-        self._reducing = [
-            reducing.get(id(app.rule))
-            or reducing.setdefault(
-                id(app.rule),
-                frozenset(
-                    i for i, f in enumerate(app.rule.factors) if f.kind is FactorKind.REDUCTION
-                ),
-            )
-            for app in graph.apps
-        ]
-        # proposals through a reduction factor, applied once nothing else moves (`run`)
+        # proposals into a value a loop passes in from a hinted argument, made inside the
+        # loop: applied once nothing else moves (`run`)
         self._deferred: dict[tuple[int, int], list[Proposal]] = {}
         total_dims = sum(len(s) for s in graph.shapes)  # visits a fixed point can need
         self._bound = len(graph.apps) + sum(len(u) for u in self.uses) * 2 + total_dims + 16
@@ -189,14 +179,6 @@ class Propagator:
             if app.kind is not AppKind.TIE
             for r in app.results
         }
-        # arguments and the values a loop or call passes in: what a hint reaches from afar
-        self._linked = bytearray(len(graph.shapes))
-        for v in graph.in_vids:
-            self._linked[v] = 1
-        for app in graph.apps:
-            if app.kind is AppKind.LINK:
-                for r in app.results:
-                    self._linked[r] = 1
         self._is_link = bytearray(app.kind is AppKind.LINK for app in graph.apps)
         self._fed = bytearray(len(graph.shapes))  # see `_feed`
         self._fed_for: tuple[int, int] | None = None
@@ -313,12 +295,12 @@ class Propagator:
         together, so two shardings that reach one open dim in the same round are a
         conflict decided by cost, not by which application was visited first.
 
-        A layout that would reach an argument, or a value a loop passes in, through a
-        reduction factor (a contraction's summed dim: an activation's layout reaching a
-        weight) waits until nothing else moves: the weight's own layout, arriving along
-        its longer path from a hint (through the loop, a transpose), comes first. The
-        other way round, the activation's layout would take the axis the weight's hint
-        gives another of its dims, and the weight would be rearranged at every use.
+        What the inside of a loop (or call) would write into a value the loop passes in
+        from a hinted argument (`_feed`: a stacked weight, through a transpose) waits
+        until nothing else moves: the weight's own layout, arriving along its longer path
+        from the hint, comes first. The other way round, an activation's layout reaching
+        the weight through a contraction would take the axis the weight's hint gives
+        another of its dims, and the weight would be rearranged at every iteration.
         """
         bound = self._bound
         visits = 0
@@ -555,8 +537,7 @@ class Propagator:
         quiet = not conflict and not compound  # see `_apply`
         vids = self._vids[a]
         dims = self.state.dims
-        reducing, deferred, linked = self._reducing[a], self._deferred, self._linked
-        fed, is_link = self._fed, self._is_link
+        deferred, fed, is_link = self._deferred, self._fed, self._is_link
         for t, d, fl, sizes in writable:
             vid = vids[t]
             if dims[vid][d] is not None:
@@ -569,13 +550,7 @@ class Propagator:
                 continue
             src, src_dim = sources.get(fl[0], (-1, -1))
             key = (vid, d)
-            if new and (
-                (len(fl) == 1 and fl[0] in reducing and linked[vid])
-                or (fed[vid] and not is_link[a])
-            ):
-                into = deferred
-            else:
-                into = proposals
+            into = deferred if new and fed[vid] and not is_link[a] else proposals
             found = into.get(key)
             if found is None:
                 into[key] = [(new, a, src, src_dim, quiet)]
