@@ -145,6 +145,18 @@ class Graph:
         dtype = getattr(self.dtypes[vid], "name", self.dtypes[vid])
         return f"a {dtype}[{', '.join(map(str, self.shapes[vid]))}] value"
 
+    def producers(self) -> dict[int, int]:
+        """For each value an equation makes, that equation (arguments, and the values a
+        loop or call passes in, have none).
+
+        Example:
+            >>> g = Graph(); g.producers()
+            {}
+        """
+        return {
+            v: a for a, app in enumerate(self.apps) if app.kind is AppKind.EQN for v in app.results
+        }
+
     def uses(self) -> list[list[int]]:
         """For each value, the applications it takes part in."""
         uses: list[list[int]] = [[] for _ in self.shapes]

@@ -480,11 +480,7 @@ def dead_apps(g: Graph) -> set[int]:
                 readers[v] += 1
     for v in g.out_vids:
         readers[v] += 1
-    producer = {}
-    for a, app in enumerate(g.apps):
-        if app.kind is AppKind.EQN:
-            for v in app.results:
-                producer[v] = a
+    producer = g.producers()
     dead: set[int] = set()
     work = [
         a

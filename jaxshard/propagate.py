@@ -173,13 +173,9 @@ class Propagator:
         self._bound = len(graph.apps) + sum(len(u) for u in self.uses) * 2 + total_dims + 16
         self.hinted: set[int] = set()
         self._scopes: dict[int, tuple[int, ...]] = {}  # per application, on first use
-        self._producer = {  # a tie makes no value: it links a result to its argument
-            r: a
-            for a, app in enumerate(graph.apps)
-            if app.kind is not AppKind.TIE
-            for r in app.results
-        }
+        self._producer = graph.producers()
         self._is_link = bytearray(app.kind is AppKind.LINK for app in graph.apps)
+        self._links = [a for a, app in enumerate(graph.apps) if app.kind is AppKind.LINK]
         self._fed = bytearray(len(graph.shapes))  # see `_feed`
         self._fed_for: tuple[int, int] | None = None
         self._journal: list | None = None  # while `trying`: (value, dim, old axes, old origin)
@@ -335,17 +331,16 @@ class Propagator:
         self._fed_for = key
         apps, producer = self.graph.apps, self._producer
         fed = self._fed = bytearray(len(self.graph.shapes))
-        for a, app in enumerate(apps):
-            if not self._is_link[a] or not app.operands:
+        for a in self._links:
+            app = apps[a]
+            if not app.operands:
                 continue
             v, seen = app.operands[0], set()
             while v not in self.hinted and v in producer and v not in seen:
                 seen.add(v)
                 src = apps[producer[v]]
-                if (
-                    src.kind is not AppKind.EQN
-                    or len(src.operands) != 1
-                    or not all(f.kind is FactorKind.PASS for f in src.rule.factors)
+                if len(src.operands) != 1 or not all(
+                    f.kind is FactorKind.PASS for f in src.rule.factors
                 ):
                     break
                 v = src.operands[0]
