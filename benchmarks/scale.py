@@ -68,7 +68,8 @@ SEARCH_DOC = (
     "that layout's batch layout as the batch hint. "
     '"fits": the searched plan\'s compiled memory is within the budget; "bytes vs it": its '
     "compiled collective bytes over those of the hand layout that moves the fewest among "
-    "those whose compiled memory is within the budget."
+    "those whose compiled memory is within the budget (from the batch hint: among those "
+    "that lay the batch out as the hint does)."
 )
 
 
@@ -190,10 +191,13 @@ def search_rows(w, mesh, axes, hand: list[dict], tight: bool = False) -> list[di
     budgets = sorted({(round(SLACK * r["memory"]), r["layout"]) for r in hand})
     for budget, source in budgets[:1] if tight else budgets:
         fitting = [r for r in hand if r["memory"] <= budget]
-        best = min(fitting, key=lambda r: r["bytes"])
         batch = hints_for(source, axes)[r"batch/.*"]
         for hinted in (True,) if tight else (True, False):
             hints = {r"batch/.*": batch} if hinted else {}
+            # the batch hint rules out the hand layouts that split the batch otherwise
+            allowed = [r for r in fitting if not hinted
+                       or hints_for(r["layout"], axes)[r"batch/.*"] == batch]  # fmt: skip
+            best = min(allowed, key=lambda r: r["bytes"])
             row = {"model": best["model"], "layers": best["layers"], "mesh": best["mesh"],
                    "axes": best["axes"], "budget": budget, "hinted": hinted,
                    "batch": str(batch) if hinted else "",

@@ -20,7 +20,7 @@ import numpy as np
 from jax.extend.core import Literal
 from jax.sharding import AbstractMesh
 
-from jaxshard.graph import AppKind, elementwise_reach, find_root
+from jaxshard.graph import AppKind, contracts, elementwise_reach, find_root
 from jaxshard.lattice import DimSharding, slices_locally
 from jaxshard.rule import FactorKind
 
@@ -93,6 +93,16 @@ def per_device_bytes(shape, dtype, dims, axis_sizes) -> int:
         256
     """
     return nbytes(shape, dtype) // shards(dims, axis_sizes)
+
+
+def per_device_shape(shape, dims, axis_sizes) -> tuple[int, ...]:
+    """The shape of one device's piece of a tensor in this layout.
+
+    Example:
+        >>> per_device_shape((8, 16), [("data",), ()], {"data": 8})
+        (1, 16)
+    """
+    return tuple(n // math.prod(axis_sizes[a] for a in d or ()) for n, d in zip(shape, dims))
 
 
 def ring_bytes(kind: str, n: int, local: float) -> float:
@@ -276,11 +286,30 @@ def has_reduce_scatter(mesh) -> bool:
         >>> has_reduce_scatter(jax.make_mesh((1,), ("data",)))  # on a CPU
         False
     """
+    return _platform(mesh) != "cpu"
+
+
+def combines_all_reduces(mesh) -> bool:
+    """Whether XLA combines every independent all-reduce over the same devices in a
+    computation into one, whatever their size, on the devices of ``mesh``: its CPU
+    backend does (no byte threshold, at most 256 operands), so a partial sum waits for
+    the last reduction of its group; accelerators combine only small ones.
+
+    Example:
+        >>> import jax
+        >>> combines_all_reduces(jax.make_mesh((1,), ("data",)))  # on a CPU
+        True
+    """
+    return _platform(mesh) == "cpu"
+
+
+def _platform(mesh) -> str | None:
+    """The platform of ``mesh``'s devices; None for an abstract mesh (planned for an
+    accelerator)."""
     if isinstance(mesh, AbstractMesh):
-        return True
+        return None
     devices = getattr(mesh, "devices", None)
-    platform = getattr(getattr(devices, "flat", [None])[0], "platform", None)
-    return platform != "cpu"
+    return getattr(getattr(devices, "flat", [None])[0], "platform", None)
 
 
 def _order_changed(src_axes: tuple[str, ...], dst_axes: tuple[str, ...], axis: str) -> bool:
@@ -629,13 +658,176 @@ def step_time(plan, model: CostModel) -> StepTime:
 # --- memory --------------------------------------------------------------------------
 
 
+class Schedule(NamedTuple):
+    """When XLA runs each application: ``at[a]`` is a time in application units.
+
+    XLA's scheduler keeps the program's loops in order but moves the work between them
+    as early as its operands allow: anything outside the loops that does not read a
+    loop's result runs before that loop (a parameter's gather for the logits, the zeros
+    of the embedding gradient's scatter-add, the one-hot of the labels), so its buffer
+    is alive across the loop. ``seg[v]`` is how many of the top-level loops value ``v``
+    waits for; ``loop_starts[k]`` the first application of the ``k``-th top-level loop;
+    ``top[a]`` whether application ``a`` is outside every loop.
+    """
+
+    at: np.ndarray
+    seg: np.ndarray
+    loop_starts: tuple[int, ...]
+    top: np.ndarray
+
+    def hoisted(self, a: int, v: int) -> int:
+        """The time XLA computes what application ``a`` needs from value ``v`` alone (a
+        parameter's gathered copy): before the first loop ``v`` does not wait for, when
+        ``a`` runs after it outside the loops.
+
+        Example:
+            >>> s = Schedule(np.arange(9), np.zeros(3, int), (4,), np.ones(9, bool))
+            >>> s.hoisted(7, 0), s.hoisted(2, 0)
+            (3, 2)
+        """
+        k = int(self.seg[v])
+        if self.top[a] and k < len(self.loop_starts) and self.loop_starts[k] <= a:
+            return min(int(self.at[a]), max(0, self.loop_starts[k] - 1))
+        return int(self.at[a])
+
+
+def schedule(graph, ready: Mapping[int, int] | None = None) -> Schedule:
+    """Each application's time in XLA's schedule of ``graph``: program order, except
+    that work outside the loops that reads no result of a loop before it moves to just
+    before the first such loop (`Schedule`). Measured on XLA's CPU schedules of scanned
+    models: every top-level instruction not reading a loop's result is scheduled before
+    that loop. ``ready`` maps values to the earliest time their readers may run (a
+    gradient whose all-reduce XLA combines with a later one's).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> def f(w, xs):
+        ...     c, _ = jax.lax.scan(lambda c, x: (c * x, None), jnp.sin(w), xs)
+        ...     return c + jnp.cos(w)   # cos(w) reads no loop result: before the scan
+        >>> g = build_graph(trace(f, (jnp.ones(4), jnp.ones((3, 4))), {}), {})
+        >>> s = schedule(g)
+        >>> [(a.describe().split()[0], int(t)) for a, t in zip(g.apps, s.at) if a.kind is AppKind.EQN]
+        [('sin', 0), ('mul', 1), ('cos', 0), ('add', 5)]
+    """
+    from jax.extend.core import primitives
+
+    loop_prims = (primitives.scan_p, primitives.while_p)
+    memo: dict[int, int | None] = {}
+
+    def outer_loop(where) -> int | None:
+        if where is None:
+            return None
+        found = memo.get(id(where), -1)
+        if found == -1:
+            eqn, outer = where
+            found = outer_loop(outer)
+            if found is None and eqn.primitive in loop_prims:
+                found = id(eqn)
+            memo[id(where)] = found
+        return found
+
+    n_apps = len(graph.apps)
+    loop_of: list[int | None] = []
+    for app in graph.apps:
+        key = outer_loop(app.where)
+        if key is None and app.kind is AppKind.LINK and app.eqn is not None:
+            key = id(app.eqn) if app.eqn.primitive in loop_prims else None
+        loop_of.append(key)
+    first: dict[int, int] = {}
+    for a, key in enumerate(loop_of):
+        if key is not None:
+            first.setdefault(key, a)
+    order = {key: k for k, key in enumerate(first)}  # loops in program order
+    loop_starts = tuple(first.values())
+    top = np.array([key is None for key in loop_of], dtype=bool)
+    edges = flow(graph)
+    seg = np.zeros(len(graph.shapes), dtype=np.int64)
+    for v, t in (ready or {}).items():  # as late as the loops that end before it
+        seg[v] = np.searchsorted(np.array(loop_starts), t, side="right")
+    changed = True
+    while changed:  # a call's links come after its body: repeat until nothing moves
+        changed = False
+        for a, sources, sinks in edges:
+            key = loop_of[a]
+            if key is not None:  # inside a loop: its values, and its results, wait for it
+                k = order[key] + 1
+            else:
+                k = max((int(seg[v]) for v in sources), default=0)
+            for v in sinks:
+                if seg[v] < k:
+                    seg[v] = k
+                    changed = True
+    at = np.arange(n_apps, dtype=np.int64)
+    if loop_starts:
+        before = np.searchsorted(np.array(loop_starts), np.arange(n_apps), side="right")
+        for a, sources, _ in edges:
+            if top[a]:
+                k = max((int(seg[v]) for v in sources), default=0)
+                if k < before[a]:
+                    at[a] = max(0, loop_starts[k] - 1)
+    for a, sources, _ in edges if ready else ():
+        if top[a]:
+            at[a] = max([int(at[a]), *(ready[v] for v in sources if v in ready)])
+    return Schedule(at, seg, loop_starts, top)
+
+
+def flow(graph) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """Each application as ``(index, sources, sinks)`` in the direction values flow: an
+    equation from its operands to its results, a link into a call from the outer value to
+    the inner one, a call's result link from the inner value out; ties left out.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> flow(build_graph(trace(jnp.sin, (jnp.ones(4),), {}), {}))
+        [(0, (0,), (1,))]
+    """
+    out_links = graph.out_links
+    return [
+        (a, app.results, app.operands) if a in out_links else (a, app.operands, app.results)
+        for a, app in enumerate(graph.apps) if app.kind is not AppKind.TIE
+    ]  # fmt: skip
+
+
+def reads_of(graph, own: Mapping[int, int]) -> list[int]:
+    """Per value, the union of the bit sets ``own`` gives the values it is computed from
+    (transitively, through calls and loops; not its own bits).
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> g = build_graph(trace(lambda x: jnp.cos(jnp.sin(x)), (jnp.ones(4),), {}), {})
+        >>> reads_of(g, {0: 1, 1: 2})
+        [0, 1, 3]
+    """
+    reads = [0] * len(graph.shapes)
+    edges = flow(graph)
+    changed = True
+    while changed:  # a call's links come after its body: repeat until nothing moves
+        changed = False
+        for _, sources, sinks in edges:
+            bits = 0
+            for v in sources:
+                bits |= reads[v] | own.get(v, 0)
+            if bits:
+                for v in sinks:
+                    if reads[v] | bits != reads[v]:
+                        reads[v] |= bits
+                        changed = True
+    return reads
+
+
 @dataclass(frozen=True)
 class Liveness:
     """When each buffer of a graph is alive, in application (equation) order.
 
     ``owner[v]`` is the buffer value ``v`` lives in (identity links of nested jaxprs
-    alias their outer value); ``start``/``end`` are the first and last application
-    indices of each owner (``-1``: not an intermediate — an argument, a result or a
+    alias their outer value); ``start``/``end`` are the first and last times (`Schedule`)
+    of each owner (``-1``: not an intermediate — an argument, a result or a
     constant). ``intermediates`` lists the owners counted as activations.
     """
 
@@ -646,12 +838,17 @@ class Liveness:
     # a loop's stacked input or result (owner) -> the per-iteration value its link slices
     # it into: while the loop runs, XLA holds the stack in that value's layout
     stacked: Mapping[int, int] = field(default_factory=dict)
+    schedule: Schedule | None = None
+    # a contraction's result written over in place by its reader (its buffer ends before
+    # that time) -> the time it ends if the contraction's layout has a unit dim
+    squeezable: Mapping[int, int] = field(default_factory=dict)
 
 
-def liveness(graph, skip: Iterable[int] = ()) -> Liveness:
+def liveness(graph, skip: Iterable[int] = (), ready: Mapping[int, int] | None = None) -> Liveness:
     """Lifetimes of a graph's buffers: produced by their first equation, freed after their
-    last use; arguments and results live for the whole call and are not intermediates.
-    Applications in ``skip`` (dead code) neither produce nor use anything.
+    last use, in the times of XLA's `schedule` (``ready`` as there); arguments and
+    results live for the whole call and are not intermediates. Applications in ``skip``
+    (dead code) neither produce nor use anything.
 
     Example:
         >>> import jax.numpy as jnp, jaxshard.rules
@@ -672,15 +869,36 @@ def liveness(graph, skip: Iterable[int] = ()) -> Liveness:
                 ro, rr = find_root(parent, o), find_root(parent, r)
                 if ro != rr:
                     parent[rr] = ro
+    # a transpose is the only reader of what an equation made: XLA's layout assignment
+    # has the maker write in the transposed order, and the transpose is a bitcast
+    readers = np.zeros(n, dtype=np.int64)
+    for app in graph.apps:
+        for v in app.operands:
+            readers[v] += 1
+    made = graph.producers()
+    for a, app in enumerate(graph.apps):
+        if (
+            app.eqn is not None
+            and app.kind is AppKind.EQN
+            and app.eqn.primitive.name == "transpose"
+        ):
+            (o,), (r,) = app.operands, app.results
+            if readers[o] == 1 and o in made and a not in skip:
+                ro, rr = find_root(parent, o), find_root(parent, r)
+                if ro != rr:
+                    parent[ro] = rr
     owner = _common_subexpressions(graph, [find_root(parent, v) for v in range(n)], skip)
     big = len(graph.apps) + 1
     start = np.full(n, big, dtype=np.int64)
     end = np.full(n, -1, dtype=np.int64)
     stacked: dict[int, int] = {}
     link_body = getattr(graph, "link_body", {})
+    sched = schedule(graph, ready)
+    at = sched.at
     for a, app in enumerate(graph.apps):
         if a in skip or app.kind is AppKind.TIE:
             continue
+        t = int(at[a])
         if app.kind is AppKind.LINK:
             for v, r in zip(app.operands, app.results):
                 if len(graph.shapes[v]) == len(graph.shapes[r]) + 1:
@@ -689,22 +907,22 @@ def liveness(graph, skip: Iterable[int] = ()) -> Liveness:
             # a stacked result (the residuals a scan saves for the backward pass, a
             # scanned gradient) is allocated when the loop starts and filled as it runs,
             # and a stacked input the loop reads is alive until it ends
-            first = link_body.get(a, a)
+            first = int(at[link_body.get(a, a)])
             for v in app.operands:
                 o = owner[v]
                 if start[o] == big:
-                    start[o] = first
-                if a > end[o]:
-                    end[o] = a
+                    start[o] = min(first, t)
+                if t > end[o]:
+                    end[o] = t
             continue
         for v in app.results:
             o = owner[v]
-            if a < start[o]:
-                start[o] = a
+            if t < start[o]:
+                start[o] = t
         for v in app.operands:
             o = owner[v]
-            if a > end[o]:
-                end[o] = a
+            if t > end[o]:
+                end[o] = t
     boundary = {owner[v] for v in (*graph.in_vids, *graph.out_vids)}
     produced = start < big
     for o in boundary:
@@ -714,7 +932,7 @@ def liveness(graph, skip: Iterable[int] = ()) -> Liveness:
     end = np.maximum(end, start)  # a result nothing reads lives at its own equation
     start = np.where(keep, start, -1)
     end = np.where(keep, end, -1)
-    return Liveness(owner, start, end, np.flatnonzero(keep), stacked)
+    return Liveness(owner, start, end, np.flatnonzero(keep), stacked, sched)
 
 
 # calls XLA inlines before its common-subexpression pass; every other enclosing equation
@@ -853,13 +1071,25 @@ def fused_liveness(graph, live: Liveness, extend: bool = True) -> Liveness:
             )
         return hit
 
+    scopes: dict[int, tuple] = {}
+
+    def scope(a: int) -> tuple:
+        hit = scopes.get(a)
+        if hit is None:
+            hit = scopes[a] = xla_scope(graph.apps[a].where)
+        return hit
+
+    # a value read inside a loop it is not made in is the loop's operand: XLA fuses only
+    # within one computation, so it is stored (a mask broadcast JAX hoisted out of a scan)
+    def fusible(a: int) -> bool:  # XLA fuses a broadcast into its readers too
+        return is_elementwise(a) or graph.apps[a].eqn.primitive.name == "broadcast_in_dim"
+
     fused = [
         int(v) for v in live.intermediates
-        if int(v) in producer and is_elementwise(producer[int(v)])
-        and all(is_elementwise(r) for r in readers.get(int(v), ()))
+        if int(v) in producer and fusible(producer[int(v)])
+        and all(is_elementwise(r) and scope(r) == scope(producer[int(v)])
+                for r in readers.get(int(v), ()))
     ]  # fmt: skip
-    if not fused:
-        return live
     end = live.end.copy()
     if extend:  # later fused values first: their operands may be fused values too
         for v in sorted(fused, key=lambda v: -producer[v]):
@@ -868,7 +1098,42 @@ def fused_liveness(graph, live: Liveness, extend: bool = True) -> Liveness:
                 if end[o] >= 0 and end[v] > end[o]:
                     end[o] = end[v]
     kept = np.setdiff1d(live.intermediates, np.array(fused, dtype=np.int64))
-    return Liveness(owner, live.start, end, kept, live.stacked)
+    # an elementwise result written over an operand of its shape that dies there (XLA
+    # computes a fusion in place when its operand's buffer is free): the operand's buffer
+    # ends as the result's begins. XLA drops a contraction's unit dims from its output,
+    # and reads it through a bitcast that it does not overwrite: those wait for a layout
+    # (`memory_estimate`)
+    at = live.schedule.at if live.schedule is not None else np.arange(len(graph.apps))
+    stored = set(kept.tolist())
+    fused_set = set(fused)
+    squeezable: dict[int, int] = {}
+
+    def inputs(a: int) -> Iterator[int]:  # the stored buffers a fusion rooted at ``a`` reads
+        todo, seen = [a], {a}
+        while todo:
+            for u in graph.apps[todo.pop()].operands:
+                o = owner[u]
+                if o not in fused_set:
+                    yield o
+                elif producer[o] not in seen:
+                    seen.add(producer[o])
+                    todo.append(producer[o])
+
+    for v in stored:
+        a = producer.get(v)
+        if a is None or not is_elementwise(a):
+            continue
+        for o in inputs(a):
+            if (
+                o in stored and o != v and end[o] == at[a] and live.start[o] < at[a]
+                and graph.shapes[o] == graph.shapes[v] and graph.dtypes[o] == graph.dtypes[v]
+                and o in producer and scope(producer[o]) == scope(a)  # not a loop's operand
+            ):  # fmt: skip
+                end[o] = at[a] - 1
+                if o in producer and contracts(graph.apps[producer[o]]):
+                    squeezable[o] = int(at[a])
+                break
+    return Liveness(owner, live.start, end, kept, live.stacked, live.schedule, squeezable)
 
 
 def memory_estimate(
@@ -927,9 +1192,14 @@ def memory_estimate(
             and _fills_a_result(graph, int(v), int(sizes[i]), dims, out_dims, axis_sizes)
         ):
             sizes[i] = 0
+    end = live.end
+    for v, t in live.squeezable.items():
+        if 1 in per_device_shape(graph.shapes[v], dims[v], axis_sizes):
+            end = end.copy() if end is live.end else end
+            end[v] = t
     delta = np.zeros(n_apps + 1, dtype=np.int64)
     np.add.at(delta, live.start[live.intermediates], sizes)
-    np.add.at(delta, live.end[live.intermediates] + 1, -sizes)
+    np.add.at(delta, end[live.intermediates] + 1, -sizes)
     for first, last, b in extra:
         delta[first] += int(b)
         delta[last + 1] -= int(b)

@@ -26,10 +26,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxshard.annotate import Pin, PinKind, match_hints, merge_pins
 from jaxshard.cost import (
     CostModel,
+    Liveness,
     MemoryCurve,
     MemoryEstimate,
     PlannedCollective,
     WrittenCollective,
+    combines_all_reduces,
     executions,
     fused_liveness,
     has_reduce_scatter,
@@ -39,7 +41,9 @@ from jaxshard.cost import (
     memory_estimate,
     nbytes,
     per_device_bytes,
+    reads_of,
     reshard_collectives,
+    schedule,
     step_bytes,
     written_collectives,
     xla_scope,
@@ -318,42 +322,93 @@ class Plan:
             >>> plan.estimated_memory.total  # doctest: +SKIP
             35789824
         """
-        live = fused_liveness(self.graph, liveness(self.graph, dead_apps(self.graph)))
-        return memory_estimate(
-            self.graph, self.dims, self.axis_sizes, self.out_dims, live, self.moved_copies()
-        )
+        g = self.graph
+        # readers of a reduced value wait for its combined reduction
+        reduced = self._reduction_times(schedule(g).at)
+        ready = {self.reshards[i].vid: t for i, t in reduced.items()}
+        live = fused_liveness(g, liveness(g, dead_apps(g), ready))
+        copies = self.moved_copies(live, reduced)
+        return memory_estimate(g, self.dims, self.axis_sizes, self.out_dims, live, copies)
 
-    def moved_copies(self) -> list[tuple[int, int, int]]:
+    def moved_copies(
+        self, live: Liveness | None = None, reduced: Mapping[int, int] | None = None
+    ) -> list[tuple[int, int, int]]:
         """The buffers no value holds: operands moved for their use (a parameter
         gathered from its storage layout), alive from the use that moves it to the last
         later contraction in the same XLA computation that reads the same copy (XLA
         merges those collectives, `_move_operand`), and the working buffers of results
         computed in a larger layout (a gradient summed whole, then reduce-scattered);
-        as ``(first, last, bytes per device)``.
+        as ``(first, last, bytes per device)`` in the times of ``live``'s schedule (XLA
+        gathers a parameter before the loops when nothing else holds the gather back);
+        ``reduced``: `_reduction_times` in those times, when known.
 
         Example:
             >>> plan.moved_copies()  # doctest: +SKIP
             [(212, 480, 2101346304)]
         """
         g = self.graph
+        sched = (live or liveness(g)).schedule
+        at = sched.at
         last: dict[tuple, int] = {}
         for a, vid, dst in self.repeats:
             key = (vid, dst, xla_scope(g.apps[a].where))
-            last[key] = max(last.get(key, a), a)
+            last[key] = max(last.get(key, at[a]), at[a])
         copies = []
-        for r in self.reshards:
+        reduced = self._reduction_times(at) if reduced is None else reduced
+        for i, r in enumerate(self.reshards):
+            t = int(at[r.app])
             if r.vid in g.apps[r.app].results:
                 # computed in its working layout (a partial sum), then moved: the working
-                # buffer is alive while the equation and its collective run
+                # buffer is alive until its (possibly combined) collective runs
                 size = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.src, self.axis_sizes)
                 own = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.dst, self.axis_sizes)
                 if size > own:
-                    copies.append((r.app, r.app, size))
+                    copies.append((t, reduced.get(i, t), size))
                 continue
             size = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.dst, self.axis_sizes)
             key = (r.vid, r.dst, xla_scope(g.apps[r.app].where))
-            copies.append((r.app, max(r.app, last.get(key, r.app)), size))
+            copies.append((sched.hoisted(r.app, r.vid), int(max(t, last.get(key, t))), size))
         return copies
+
+    def _reduction_times(self, at) -> dict[int, int]:
+        """When each partial sum's all-reduce runs, by index into ``reshards``, where XLA
+        combines them (`combines_all_reduces`): the reductions over the same axes in one
+        computation are taken in order and combined until one reads the result of
+        another in its group (or 256 are), and a group runs when its last member's
+        partial is ready, so earlier partials wait (a head's gradient, summed before the
+        backward loop, until the embedding's after it)."""
+        g = self.graph
+        if not combines_all_reduces(self.mesh):
+            return {}
+        sums = [
+            (int(at[r.app]), i, r) for i, r in enumerate(self.reshards)
+            if r.partial and r.vid in g.apps[r.app].results
+        ]  # fmt: skip
+        if len(sums) < 2:
+            return {}
+        own = {}
+        for k, (_, _, r) in enumerate(sums):
+            own[r.vid] = own.get(r.vid, 0) | 1 << k
+        reads = reads_of(g, own)  # the reductions each value reads the result of
+        groups: dict[tuple, list[tuple[int, int, int]]] = {}
+        times: dict[int, int] = {}
+
+        def close(members) -> None:
+            end = max(t for t, _, _ in members)
+            times.update((i, end) for _, i, _ in members)
+
+        for k, (t, i, r) in sorted(enumerate(sums), key=lambda x: x[1][0]):
+            key = (xla_scope(g.apps[r.app].where), r.partial)
+            members = groups.setdefault(key, [])
+            if members and (
+                len(members) == 256 or reads[r.vid] & sum(1 << m for _, _, m in members)
+            ):
+                close(members)
+                members.clear()
+            members.append((t, i, k))
+        for members in groups.values():
+            close(members)
+        return times
 
     @property
     def predicted_bytes(self) -> float:

@@ -34,24 +34,15 @@ def rows():
 LAYOUTS = ["megatron", "fsdp+tp", "fsdp+tp+seq", "fsdp-all"]
 
 
-# XLA's CPU scheduler computes the loss head's label one-hot, the embedding gradient's
-# zeros and the gathered output projection before the layer loops and keeps them alive
-# through the backward loop; the estimate follows program order. Where the heads and the
-# vocabulary are not split (sequence or FSDP layouts), those buffers are as large as an
-# attention score matrix and the estimate falls short.
-_SCHEDULED_EARLY = pytest.mark.xfail(
-    strict=True, reason="loss-head buffers XLA schedules before the layer loops: 0.67-0.83x"
+# Batch over all 64 devices: the live set is estimated within 2%, but XLA's heap packs the
+# 2 GiB score matrices and the 1.96 GiB vocabulary-sized buffers of different lifetimes
+# with 2 GiB of fragmentation, which two layers do not dilute (0.94x at 32 layers).
+_FRAGMENTED = pytest.mark.xfail(
+    strict=True, reason="XLA's heap fragmentation around its 2 GiB buffers: 0.83x"
 )
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        *LAYOUTS[:2],
-        pytest.param("fsdp+tp+seq", marks=_SCHEDULED_EARLY),
-        pytest.param("fsdp-all", marks=_SCHEDULED_EARLY),
-    ],
-)
+@pytest.mark.parametrize("layout", [*LAYOUTS[:3], pytest.param("fsdp-all", marks=_FRAGMENTED)])
 def test_estimated_memory_holds_at_the_8b_shape(rows, layout):
     row = rows[layout]
     assert "error" not in row, row.get("error")

@@ -143,10 +143,22 @@ class MemoryModel:
     def _buffer(self, v: int, inner: int | None, fills: tuple[int, ...], choice) -> int:
         """Per-device bytes of intermediate ``v``'s buffer under a choice
         (`jaxshard.cost.buffer_bytes`, and 0 when a result's buffer holds it)."""
+        if any(self._stored_on_extra(o, choice) for o in fills):
+            # the update of a leaf stored apart runs in its storage layout, the stacked
+            # gradient too (`jaxshard.plan.store_updates`): it fills the result's buffer
+            return 0
         dims = {u: tuple(self.axes(r, choice) for r in self.refs(u)) for u in (v, inner)
                 if u is not None}  # fmt: skip
         size = buffer_bytes(self.graph, v, dims, self.sizes, self.live)
         return 0 if any(self._result_bytes(o, choice) == size for o in fills) else size
+
+    def _stored_on_extra(self, o: int, choice) -> bool:
+        """Whether result ``o`` is the new value of a leaf the choice stores on an extra
+        axis (FSDP, or its optimizer state alone)."""
+        i = self._tied_arg().get(o)
+        k = None if i is None else self.leaf_group.get(i)
+        extra = None if k is None else self.groups[k].extra
+        return extra is not None and self.decisions[extra].candidates[choice[extra]] is not None
 
     def _static_memory(self) -> float:
         """Bytes of arguments and results that no decision touches."""
@@ -181,6 +193,12 @@ class MemoryModel:
         out_dims = [dims[v] for v in g.out_vids]
         for i, o in g.ties:
             out_dims[o] = dims[g.in_vids[i]]
+        for v in self.live.intermediates:
+            inner, fills = self._buffer_parts(int(v))
+            o = next((o for o in fills if self._stored_on_extra(o, choice)), None)
+            if o is not None:  # a stacked gradient in its leaf's storage layout (`_buffer`)
+                dims[int(v)] = out_dims[o]
+                dims[inner] = tuple(out_dims[o][1:])
         return self.estimate(dims, out_dims, choice)
 
     def estimate(self, dims, out_dims, choice) -> MemoryEstimate:

@@ -314,7 +314,13 @@ class Problem(MemoryModel):
             pin = self.pins.get(v)
             if any(s > 1 and (pin is None or pin[d] is None) for d, s in enumerate(shapes[i])):
                 open_leaves.append(i)
-        follows = followers(names, shapes, dtypes, open_leaves)
+        # owners may be pinned leaves: the optimizer state of a parameter the user laid
+        # out is stored as the parameter is (`leaf_layout`)
+        follows = {
+            i: o for i, o in followers(names, shapes, dtypes, range(len(names))).items()
+            if i in set(open_leaves)
+        }  # fmt: skip
+        self.owner_pin: dict[int, tuple] = {}
         by_key: dict[tuple, Group] = {}
         group_of: dict[int, Group] = {}
         for i in open_leaves:
@@ -328,6 +334,9 @@ class Problem(MemoryModel):
             group_of[i] = grp
         for i, owner in follows.items():
             grp = group_of.get(owner)
+            pin = self.pins.get(g.in_vids[owner])
+            if pin is not None:
+                self.owner_pin[i] = pin
             if grp is None:  # its owner is fully pinned: a group of its own
                 key = (group_key(names[i]), shapes[i], str(dtypes[i]))
                 grp = by_key.setdefault(key, Group(key[0], []))
@@ -508,7 +517,7 @@ class Problem(MemoryModel):
                 if lay[d] or any(a in x for x in lay for a in axes):
                     return None
                 lay[d] = axes
-        pin = self.pins.get(v)
+        pin = self.pins.get(v, self.owner_pin.get(i))
         if pin is not None:
             lay = [p if p is not None else x for p, x in zip(pin, lay)]
         return lay
