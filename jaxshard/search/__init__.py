@@ -183,6 +183,10 @@ def search_hints(
                 say(f"propagation needs {human_bytes(memory.total)}, the model said "
                     f"{human_bytes(modeled)}: searching again within "
                     f"{human_bytes(problem.budget)}")  # fmt: skip
+            fits = [t for t in tried if target is not None and t[0].total <= target]
+            if fits:  # a layout propagated on the way fits: the one moving fewest bytes
+                memory, plan, choice = min(fits, key=lambda t: step_bytes(t[1]))
+                return Settled(plan, memory, choice, False, "the best layout found within it")
             memory, plan, choice = min(tried, key=lambda t: t[0].total)
             if strict:
                 raise_over_budget(problem, memory_budget, memory, plan)
