@@ -885,8 +885,8 @@ def liveness(graph, skip: Iterable[int] = (), ready: Mapping[int, int] | None = 
             (o,), (r,) = app.operands, app.results
             if readers[o] == 1 and o in made and a not in skip:
                 ro, rr = find_root(parent, o), find_root(parent, r)
-                if ro != rr:
-                    parent[ro] = rr
+                if ro != rr:  # the maker's layout sizes the buffer (a partial sum's)
+                    parent[rr] = ro
     owner = _common_subexpressions(graph, [find_root(parent, v) for v in range(n)], skip)
     big = len(graph.apps) + 1
     start = np.full(n, big, dtype=np.int64)
