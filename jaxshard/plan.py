@@ -355,6 +355,7 @@ class Plan:
             last[key] = max(last.get(key, at[a]), at[a])
         copies = []
         reduced = self._reduction_times(at) if reduced is None else reduced
+        stored = set() if live is None else set(live.intermediates.tolist())
         for i, r in enumerate(self.reshards):
             t = int(at[r.app])
             if r.vid in g.apps[r.app].results:
@@ -364,6 +365,12 @@ class Plan:
                 own = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.dst, self.axis_sizes)
                 if size > own:
                     copies.append((t, reduced.get(i, t), size))
+                o = None if live is None else live.owner[r.vid]
+                if o is not None and o not in stored and live.end[o] >= 0:
+                    # an elementwise result fusion would recompute in its readers: the
+                    # collective's output is a buffer of its own (an optimizer update
+                    # gathered to its parameter's layout)
+                    copies.append((t, int(max(t, live.end[o])), own))
                 continue
             size = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.dst, self.axis_sizes)
             key = (r.vid, r.dst, xla_scope(g.apps[r.app].where))

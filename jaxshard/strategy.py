@@ -50,6 +50,7 @@ from jaxshard.errors import JaxshardWarning, ShardingError
 from jaxshard.jax_compat import scan_counts
 from jaxshard.pipeline import Pipeline
 from jaxshard.plan import Plan
+from jaxshard.search import HEADROOM
 from jaxshard.topology import Topology
 
 ROLES = ("data", "fsdp", "tensor")  # mesh axis names, outermost first
@@ -282,7 +283,10 @@ def auto_parallel(
             first = str(e).split(": ", 1)[0] if c.memory is not None else _first_line(e)
             c.status = "over the memory limit" if c.memory is not None else f"n/a: {first}"
         else:
-            c.status = "fits"
+            # a plan the search could fit only within its headroom (`HEADROOM`) may not
+            # fit once compiled: ranked after those that fit with it, unless none does
+            near = plan.estimated_memory.total > HEADROOM * memory_per_device
+            c.status = "near the memory limit" if near else "fits"
             c.plan, c.memory, c.hints = plan, plan.estimated_memory, on_mesh
             c.time, c.predicted_bytes = step_time(plan, model), plan.predicted_bytes
         c.seconds = time.perf_counter() - start
@@ -318,6 +322,10 @@ def auto_parallel(
         pipelines = _pipelines(candidates, n, topology, cost_model, plain)
         candidates += [c for c in pipelines if c.status != "not searched"]
         weigh_all([c for c in pipelines if c.status == "not searched"])
+    if not any(c.fits for c in candidates):
+        for c in candidates:
+            if c.status == "near the memory limit":
+                c.status = "fits"
     candidates.sort(key=_rank)
     seconds = time.perf_counter() - t0
     if stopped:
