@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxshard
+from jaxshard import jax_compat
 from jaxshard.baseline import compiled_memory
 
 F32 = jnp.float32
@@ -42,6 +43,12 @@ def test_work_that_reads_no_loop_result_is_alive_across_the_loop(line):
     assert _ratio(line, f, args, {}) == pytest.approx(1.0, abs=0.03)
 
 
+@pytest.mark.xfail(
+    jax_compat.JAX_VERSION >= (0, 11),
+    strict=True,
+    reason="JAX 0.11+'s XLA writes the combined all-reduce's output and the transposed "
+    "gradient into buffers of their own (3 x 16 MiB at once): 0.73x",
+)
 def test_a_gradient_summed_before_the_backward_loop_waits_for_the_combined_reduction(line):
     # the head's gradient is a partial sum over the batch's axis made before the
     # backward loop; XLA combines its all-reduce with the input projection's, after the
