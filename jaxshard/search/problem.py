@@ -316,9 +316,10 @@ class Problem(MemoryModel):
                 open_leaves.append(i)
         # owners may be pinned leaves: the optimizer state of a parameter the user laid
         # out is stored as the parameter is (`leaf_layout`)
+        is_open = set(open_leaves)
         follows = {
             i: o for i, o in followers(names, shapes, dtypes, range(len(names))).items()
-            if i in set(open_leaves)
+            if i in is_open
         }  # fmt: skip
         self.owner_pin: dict[int, tuple] = {}
         by_key: dict[tuple, Group] = {}
