@@ -592,3 +592,30 @@ def contracts(app) -> bool:
     return app.kind is AppKind.EQN and any(
         f.kind is FactorKind.REDUCTION and not f.indexed for f in app.rule.factors
     )
+
+
+def view_dims(app) -> tuple[int, ...] | None:
+    """For an equation that only moves or converts one array (a transpose, a dtype cast,
+    a layout constraint): per result dim, the operand dim it holds; None for any other.
+
+    Read from the rule alone: one operand, one result, nothing summed, every dim of the
+    result one whole dim of the operand (size-1 dims, which carry no factor, in order).
+
+    Example (``app`` an equation ``jnp.transpose(w, (1, 0, 2))``):
+        >>> view_dims(app)  # doctest: +SKIP
+        (1, 0, 2)
+    """
+    rule = app.rule
+    if app.kind is not AppKind.EQN or len(rule.operands) != 1 or len(rule.results) != 1:
+        return None
+    if any(f.kind is FactorKind.REDUCTION for f in rule.factors):
+        return None
+    (src,), (dst,) = rule.operands, rule.results
+    if len(src) != len(dst):
+        return None
+    whole = {fl: d for d, fl in enumerate(src) if fl}
+    empty = iter([d for d, fl in enumerate(src) if not fl])
+    dims = [whole.get(fl) if fl else next(empty, None) for fl in dst]
+    if None in dims or len(set(dims)) != len(dims):
+        return None
+    return tuple(dims)

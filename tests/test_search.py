@@ -545,3 +545,60 @@ def test_the_optimizer_state_of_pinned_parameters_is_stored_as_they_are(gpt, mes
     for key, spec in moments.items():
         param = re.sub(r"opt_state/0/(mu|nu)/", "params/", key)
         assert spec == result.hints.get(param, hints[param]), (key, spec)
+
+
+def _layers_on_dim_1(params, x):
+    """Layers stacked on dim 1 of each weight (MaxText's default scan axis), moved to the
+    front for the scan: the weights' uses are behind a transpose."""
+
+    def layer(h, w):
+        return jnp.tanh(h @ w["w1"]) @ w["w2"], None
+
+    stack = jax.tree.map(lambda w: jnp.moveaxis(w, 1, 0), params)
+    h, _ = jax.lax.scan(layer, x, stack)
+    return jnp.mean(h**2)
+
+
+def _sgd_step(params, x):
+    grads = jax.grad(_layers_on_dim_1)(params, x)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def test_weights_behind_a_transpose_may_be_stored_apart(mesh):
+    # the transpose before the scan is not a use: the matmuls in the body are, so the
+    # weights may be stored on the batch's axis (FSDP), gathered one layer at a time
+    params = {"w1": jnp.ones((64, 4, 256)) * 0.01, "w2": jnp.ones((256, 4, 64)) * 0.01}
+    x = jnp.linspace(-1, 1, 16 * 64).reshape(16, 64)
+    traced, graph = trace_graph(_sgd_step, (params, x), {}, mesh)
+    problem = Problem(traced, graph, mesh, {"x": P("data")}, CostModel(), 2**30)
+    w1 = traced.in_names.index("params/w1")
+    assert problem._gathered_at_uses(w1)
+    assert problem._stack_dim(graph.in_vids[w1]) == 1
+    # within a budget below tensor parallelism's (0.25x the replicated layout's), the
+    # search stores them apart (without looking through the transpose: no layout fits)
+    free = search_hints(_sgd_step, (params, x), {}, mesh, {"x": P("data")})
+    budget = 0.22 * free.memory_bytes
+    result = search_hints(_sgd_step, (params, x), {}, mesh, {"x": P("data")},
+                          memory_budget=budget)  # fmt: skip
+    assert result.memory_bytes <= budget
+    stored = [result.hints[re.escape(f"params/{w}")] for w in ("w1", "w2")]
+    assert all("data" in jax.tree.leaves(tuple(s)) for s in stored), stored
+    step = jaxshard.auto_shard(mesh, {"x": P("data"), **result.hints})(_sgd_step)
+    assert_leaves_match(step(params, x), jax.jit(_sgd_step)(params, x))
+
+
+def test_optimizer_state_is_matched_to_its_parameter_by_path():
+    from jaxshard.search.problem import followers
+
+    names = [
+        "params/layers/1/mlp/w1",  # 0
+        "params/layers/11/mlp/w1",  # 1: another layer, not state
+        "opt_state/0/mu/layers/1/mlp/w1",  # 2: optax, a separate argument
+        "state/model/decoder/mlp/wi_0/kernel/value",  # 3
+        "state/model/decoder/mlp/wi_1/kernel/value",  # 4: a sibling weight
+        "state/optimizer/opt_state/0/mu/decoder/mlp/wi_0/kernel/value",  # 5: Flax NNX
+        "state/optimizer/opt_state/0/nu/decoder/mlp/wi_1/kernel/value",  # 6
+        "params/blocks2/1/mlp/w1",  # 7: another module, as deep
+    ]
+    found = followers(names, [(8, 8)] * len(names), ["float32"] * len(names), range(len(names)))
+    assert found == {2: 0, 5: 3, 6: 4}

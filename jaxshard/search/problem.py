@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -27,7 +28,7 @@ from jaxshard.cost import (
     ring_bytes,
     step_bytes,
 )
-from jaxshard.graph import AppKind, find_root
+from jaxshard.graph import AppKind, find_root, view_dims
 from jaxshard.lattice import Axes, spec_entry, to_spec
 from jaxshard.plan import (
     contracts,
@@ -117,20 +118,31 @@ def group_key(path: str) -> str:
 
 def followers(names, shapes, dtypes, candidates) -> dict[int, int]:
     """Leaves that follow another leaf (optimizer state): same shape and dtype, and the
-    other's path below its argument ends this one's path. ``{follower: owner}``."""
-    by_tail: dict[tuple, list[int]] = {}
+    other's path below its argument ends this one's path; or, within one argument, the
+    other's path below its first two parts, this one sitting deeper (Flax NNX's train
+    state: ``state/model/...`` and ``state/optimizer/opt_state/0/mu/...``, whose tree
+    has no ``model``). ``{follower: owner}``.
+
+    Example:
+        >>> names = ["state/model/w", "state/optimizer/opt_state/0/mu/w"]
+        >>> followers(names, [(4, 4)] * 2, ["float32"] * 2, range(2))
+        {1: 0}
+    """
+    by_tail: dict[tuple, list[tuple[int, int]]] = {}
     for i in candidates:
         parts = tuple(names[i].split("/"))
-        if len(parts) > 1:
-            by_tail.setdefault(parts[1:], []).append(i)
+        for drop in (1, 2):
+            if len(parts) > drop:
+                by_tail.setdefault(parts[drop:], []).append((i, drop))
     out = {}
     for i in candidates:
         parts = tuple(names[i].split("/"))
         for k in range(1, len(parts)):
             hits = [
-                j for j in by_tail.get(parts[k:], [])
+                j for j, drop in by_tail.get(parts[k:], [])
                 if j != i and shapes[j] == shapes[i] and dtypes[j] == dtypes[i]
                 and len(names[j]) < len(names[i])
+                and (drop == 1 or (k > drop and names[j].split("/")[0] == parts[0]))
             ]  # fmt: skip
             if hits:
                 out[i] = hits[0]
@@ -160,6 +172,10 @@ class Problem(MemoryModel):
         # whole choices the integer program may not take (`jaxshard.search._repriced`)
         self.excluded: list[dict[int, int]] = []
         self._readers: dict[int, list[int]] = {}
+        # a value -> the values that are it moved or converted (a transpose, a cast), each
+        # with, per its dim, the value's dim: MaxText moves a stack's layer dim to the
+        # front before its scan; the uses of such a view are the value's uses
+        self._views: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
         # a stacked argument -> the per-layer values scans slice it into (their uses are
         # its uses, once per iteration)
         self._layers: dict[int, list[int]] = {}
@@ -167,6 +183,10 @@ class Problem(MemoryModel):
             if a in self.dead:
                 continue
             if app.kind is AppKind.EQN:
+                dims = view_dims(app)
+                if dims is not None:
+                    self._views.setdefault(app.operands[0], []).append((app.results[0], dims))
+                    continue
                 for u in app.operands:
                     self._readers.setdefault(u, []).append(a)
             elif app.kind is AppKind.LINK and len(app.operands) == 1:
@@ -483,12 +503,27 @@ class Problem(MemoryModel):
         return bool(uses) and all(contracts(self.graph.apps[a]) for a in uses)
 
     def _compute_uses(self, v: int) -> list[int]:
-        """`_uses` of argument ``v``, and for a stacked one those of the per-layer values
-        its scans read: a weight stored apart on a dim other than its layer dim is
-        gathered one layer at a time, at each use in the body (`gathered_bytes`)."""
+        """`_uses` of argument ``v`` and of its views (`_aliases`), and for a stacked one
+        those of the per-layer values its scans read: a weight stored apart on a dim other
+        than its layer dim is gathered one layer at a time, at each use in the body
+        (`gathered_bytes`)."""
         return sorted(
-            [*self._uses(v), *(a for r in self._layers.get(v, ()) for a in self._uses(r))]
+            a
+            for w, _ in self._aliases(v)
+            for a in (*self._uses(w), *(a for r in self._layers.get(w, ()) for a in self._uses(r)))
         )
+
+    def _aliases(self, v: int) -> list[tuple[int, tuple[int, ...]]]:
+        """``v`` and every value that is ``v`` moved or converted, each with, per its dim,
+        the dim of ``v`` it holds."""
+        out = [(v, tuple(range(len(self.graph.shapes[v]))))]
+        for w, dims in out:  # grows while read: views of views
+            out += [(r, tuple(dims[p] for p in perm)) for r, perm in self._views.get(w, ())]
+        return out
+
+    def _stack_dim(self, v: int) -> int | None:
+        """The dim of argument ``v`` a scan slices it on (through its views), if any."""
+        return next((dims[0] for w, dims in self._aliases(v) if w in self._layers), None)
 
     def _leaves_of(self, members) -> list[int]:
         """The argument leaves of the groups in ``members`` ((group, dim) pairs)."""
@@ -508,7 +543,7 @@ class Problem(MemoryModel):
         """The stored layout of argument leaf ``i`` under a choice: its classes' axes, its
         group's extra axis, the user's pins; None if the extra axis clashes."""
         v = self.graph.in_vids[i]
-        lay = [self.axes(r, choice) for r in self.refs(v)]
+        lay = self._once([self.axes(r, choice) for r in self.refs(v)], v)
         k = self.leaf_group.get(i)
         extra_dec = None if k is None else self.groups[k].extra
         if extra_dec is not None:
@@ -523,13 +558,32 @@ class Problem(MemoryModel):
             lay = [p if p is not None else x for p, x in zip(pin, lay)]
         return lay
 
+    def _once(self, lay: list[Axes], v: int) -> list[Axes]:
+        """A layout with every mesh axis on one dim only. Pins inside the program can
+        give an argument's dims one axis twice (MaxText's activation constraints put
+        "tensor" on both the embed and the MLP dims a weight joins); the dim of the
+        smaller class keeps it (the weight's own dim, not the residual stream's, which
+        spans every layer), as the search hints it."""
+        used = [a for x in lay for a in x]
+        if len(used) == len(set(used)):
+            return lay
+        members = self.__dict__.get("_members")
+        if members is None:
+            members = self.__dict__["_members"] = Counter(self.root)
+        seen: set[str] = set()
+        out = list(lay)
+        for d in sorted(range(len(lay)), key=lambda d: members[self._key(v, d)]):
+            out[d] = tuple(a for a in lay[d] if a not in seen)
+            seen.update(lay[d])
+        return out
+
     def gathered_bytes(self, i: int, choice: Mapping[int, int]) -> float:
         """Per-device bytes of parameter ``i`` gathered to its compute layout when the
         choice stores it apart (FSDP), else 0."""
         if not self.stored_apart(i, choice):
             return 0.0
         v = self.graph.in_vids[i]
-        lay = [self.axes(r, choice) for r in self.refs(v)]
+        lay = self._once([self.axes(r, choice) for r in self.refs(v)], v)
         pin = self.pins.get(v)
         if pin is not None:
             lay = [p if p is not None else x for p, x in zip(pin, lay)]
@@ -537,7 +591,8 @@ class Problem(MemoryModel):
         whole = nbytes(self.graph.shapes[v], self.graph.dtypes[v]) / shards
         k = self.leaf_group[i]
         extra = self.decisions[self.groups[k].extra].candidates[choice[self.groups[k].extra]]
-        if v in self._layers and extra.dim != 0:  # one layer gathered at a time
+        layer = self._stack_dim(v)
+        if layer is not None and extra.dim != layer:  # one layer gathered at a time
             return whole / self.graph.shapes[v][0]
         return whole
 
