@@ -105,6 +105,28 @@ def per_device_shape(shape, dims, axis_sizes) -> tuple[int, ...]:
     return tuple(n // math.prod(axis_sizes[a] for a in d or ()) for n, d in zip(shape, dims))
 
 
+def gathers_inner_dim(shape, src, dst, axis_sizes) -> bool:
+    """Whether a reshard all-gathers a dim that is not the outermost of the gathered
+    piece: XLA lays an all-gather's result out with the gathered dim outermost (each
+    device's part contiguous), so a reader that needs the usual layout (a matmul) reads
+    a relayout copy of it, and both are alive at once (measured on every all-gather of
+    an activation's inner dim before a matmul, JAX 0.10; an elementwise reader reads
+    the gathered layout as it is).
+
+    Example:
+        >>> gathers_inner_dim((4, 32, 128), [(), (), ("model",)], [(), (), ()], {"model": 4})
+        True
+        >>> gathers_inner_dim((128, 64), [("data",), ()], [(), ()], {"data": 2})
+        False
+    """
+    kept = {a for d in dst for a in d or ()}
+    piece = per_device_shape(shape, dst, axis_sizes)
+    return any(
+        any(a not in kept and axis_sizes[a] > 1 for a in d or ()) and any(n > 1 for n in piece[:i])
+        for i, d in enumerate(src)
+    )
+
+
 def ring_bytes(kind: str, n: int, local: float) -> float:
     """Bytes one device sends for one collective over a group of ``n`` devices with ring
     algorithms: ``2(n-1)/n`` of the buffer for an all-reduce, ``(n-1)/n`` for the others.
@@ -233,6 +255,17 @@ def reshard_collectives(
     # an axis of size 1 moves nothing: XLA emits no collective over it
     src = [tuple(a for a in d or () if axis_sizes[a] > 1) for d in src]
     dst = [tuple(a for a in d or () if axis_sizes[a] > 1) for d in dst]
+    steps = [tuple(dst)] if partial else reshard_steps(src, dst)
+    if len(steps) > 1:  # the lowering passes through each (`reshard_steps`)
+        return [
+            c for a, b in zip([tuple(src), *steps], steps)
+            for c in _step_collectives(shape, dtype, a, b, axis_sizes, partial, reduce_scatter)
+        ]  # fmt: skip
+    return _step_collectives(shape, dtype, src, dst, axis_sizes, partial, reduce_scatter)
+
+
+def _step_collectives(shape, dtype, src, dst, axis_sizes, partial, reduce_scatter):
+    """`reshard_collectives` of one step (axes of size 1 already dropped)."""
     groups = partial_groups(partial)
     partial = frozenset(a for a in partial if axis_sizes[a] > 1)
     total = nbytes(shape, dtype)
@@ -273,6 +306,55 @@ def reshard_collectives(
             PlannedCollective("all-gather", tuple(removed), ring_bytes("all-gather", n, local_dst))
         )
     return out
+
+
+def reshard_steps(src: Sequence[DimSharding], dst: Sequence[DimSharding]) -> list[tuple]:
+    """The layouts a reshard from ``src`` to ``dst`` passes through, ending with ``dst``.
+
+    One step, unless XLA's partitioner has no collective for the whole move and would
+    replicate the array on every device first ("involuntary full rematerialization",
+    measured on JAX 0.10 and 0.12): a dim that gives one axis to another dim and loses
+    another axis altogether or to a third dim, or a dim that takes axes from two
+    others. Such a reshard goes through steps XLA does with one collective each: the
+    gathered axes first, then the moved axes one at a time, then the added ones.
+
+    Example:
+        >>> reshard_steps([(), ("data", "model")], [("data",), ()])
+        [((), ('data',)), (('data',), ())]
+        >>> reshard_steps([(), ("data",)], [("data",), ()])
+        [(('data',), ())]
+    """
+    src = [tuple(d or ()) for d in src]
+    dst = [tuple(d or ()) for d in dst]
+    where_dst = {a: j for j, d in enumerate(dst) for a in d}
+    removed = {a for d in src for a in d if a not in where_dst}
+    out_of: dict[int, set[int]] = {}  # per source dim: the dims its moved axes go to
+    into: dict[int, set[int]] = {}  # per destination dim: the dims its moved axes leave
+    for i, d in enumerate(src):
+        for a in d:
+            j = where_dst.get(a, i)
+            if j != i:
+                out_of.setdefault(i, set()).add(j)
+                into.setdefault(j, set()).add(i)
+    awkward = any(
+        len(js) > 1 or any(a in removed for a in src[i]) for i, js in out_of.items()
+    ) or any(len(i) > 1 for i in into.values())
+    if not awkward:
+        return [tuple(dst)]
+    cur = [tuple(a for a in d if a not in removed) for d in src]
+    steps = [tuple(cur)]
+    for j, d in enumerate(dst):
+        for a in d:
+            i = next((k for k, held in enumerate(cur) if a in held), None)
+            if i is None or i == j:
+                continue
+            cur = [tuple(x for x in held if x != a) for held in cur]
+            cur[j] = tuple(x for x in dst[j] if x == a or x in cur[j]) + tuple(
+                x for x in cur[j] if x not in dst[j]
+            )
+            steps.append(tuple(cur))
+    steps.append(tuple(dst))
+    return [b for a, b in zip([tuple(src), *steps], steps) if a != b]
 
 
 def has_reduce_scatter(mesh) -> bool:

@@ -20,13 +20,14 @@ are handed back on the caller's mesh.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.extend.core import primitives as prims
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxshard.cost import reshard_steps
 from jaxshard.graph import AppKind
 from jaxshard.jax_compat import (
     UNSPECIFIED,
@@ -263,6 +264,13 @@ def program_name(traced) -> str:
     return name if name.isidentifier() else "jaxshard_step"
 
 
+class Via(NamedTuple):
+    """A result's pin: computed in ``working``, then moved to ``dims`` (`Lowered`)."""
+
+    working: tuple
+    dims: tuple
+
+
 class Lowered:
     """The jitted, sharded program of a plan and the shardings it takes and returns.
 
@@ -275,6 +283,10 @@ class Lowered:
         self.plan = plan
         self.mesh = auto_view(plan.mesh)
         self._named: dict[tuple, NamedSharding] = {}
+        # the layout each constrained variable was given (`_constrain`), and the mesh
+        # axes that split anything (size-1 axes move nothing)
+        self._layout_of: dict[Any, tuple] = {}
+        self._big_axes = {a for a, n in self.mesh.shape.items() if n > 1}
         self.in_shardings = tuple(self._sharding(d) for d in plan.flat_in_dims())
         self.out_shardings = tuple(self._sharding(d) for d in plan.out_dims)
         with gc_paused():
@@ -308,11 +320,20 @@ class Lowered:
         if getattr(plan.traced, "explicit", False):
             eraser = Eraser(self.mesh)
             closed, rename = eraser.closed(closed), eraser.vars
+        # a result the plan computes in one layout and moves to its own by a reshard XLA
+        # has no collective for: constrained to the working layout first (`Via`), then
+        # moved step by step (`_constrain`)
+        via: dict[int, Via] = {}
+        for r in plan.reshards:
+            if r.partial or r.vid not in plan.graph.apps[r.app].results:
+                continue
+            if len(reshard_steps(*(self._big(d) for d in (r.src, r.dst)))) > 1:
+                via[r.vid] = Via(r.src, plan.dims[r.vid])
         # per path (a call site of a nested jaxpr): {var: layout} and a hashable key
         self._levels = {}
         for path, env in plan.graph.var_vids.items():
             items = [
-                (var if rename is None else rename.get(var, var), plan.dims[vid])
+                (var if rename is None else rename.get(var, var), via.get(vid, plan.dims[vid]))
                 for var, vid in env.items()
                 if vid in pinned
             ]
@@ -339,18 +360,36 @@ class Lowered:
             }
         self._regions: dict[int, list] = {}  # id(jaxpr) -> its higher-order equations
         self._bodies: dict[tuple, Any] = {}  # rewritten nested jaxprs, shared by call sites
+        # the arguments arrive in their planned layouts (the jit's in_shardings)
+        self._layout_of.update(zip(closed.jaxpr.invars, plan.flat_in_dims()))
         return ClosedJaxpr(self._rewrite(closed.jaxpr, ()), closed.consts)
 
     def _constrain(self, var, dims: tuple, eqns: list, like) -> Any:
-        new = new_var(var.aval)
-        params = dict(
-            sharding=self._sharding(dims),
-            layout=None,
-            context_mesh=self.mesh,
-            unconstrained_dims=frozenset(),
-        )
-        eqns.append(new_eqn([var], [new], prims.sharding_constraint_p, params, like))
-        return new
+        """``var`` constrained to ``dims`` (appended to ``eqns``). A value this rewrite
+        constrained before moves through the layouts `reshard_steps` gives: a move XLA
+        has no collective for would replicate the whole array on every device."""
+        if isinstance(dims, Via):
+            var, dims = self._constrain(var, dims.working, eqns, like), dims.dims
+        src = self._layout_of.get(var)
+        steps = [dims]
+        if src is not None and None not in src and None not in dims:
+            steps = [*reshard_steps(self._big(src), self._big(dims))[:-1], dims]
+        for step in steps:
+            new = new_var(var.aval)
+            params = dict(
+                sharding=self._sharding(step),
+                layout=None,
+                context_mesh=self.mesh,
+                unconstrained_dims=frozenset(),
+            )
+            eqns.append(new_eqn([var], [new], prims.sharding_constraint_p, params, like))
+            var = new
+        self._layout_of[var] = dims
+        return var
+
+    def _big(self, dims) -> list[tuple[str, ...]]:
+        """A layout without its axes of size 1 (they move nothing)."""
+        return [tuple(a for a in d or () if a in self._big_axes) for d in dims]
 
     def _regions_of(self, jaxpr: Jaxpr) -> list:
         """``(index, eqn, regions)`` of the higher-order equations of a jaxpr, computed
