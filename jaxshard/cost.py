@@ -105,28 +105,6 @@ def per_device_shape(shape, dims, axis_sizes) -> tuple[int, ...]:
     return tuple(n // math.prod(axis_sizes[a] for a in d or ()) for n, d in zip(shape, dims))
 
 
-def gathers_inner_dim(shape, src, dst, axis_sizes) -> bool:
-    """Whether a reshard all-gathers a dim that is not the outermost of the gathered
-    piece: XLA lays an all-gather's result out with the gathered dim outermost (each
-    device's part contiguous), so a reader that needs the usual layout (a matmul) reads
-    a relayout copy of it, and both are alive at once (measured on every all-gather of
-    an activation's inner dim before a matmul, JAX 0.10; an elementwise reader reads
-    the gathered layout as it is).
-
-    Example:
-        >>> gathers_inner_dim((4, 32, 128), [(), (), ("model",)], [(), (), ()], {"model": 4})
-        True
-        >>> gathers_inner_dim((128, 64), [("data",), ()], [(), ()], {"data": 2})
-        False
-    """
-    kept = {a for d in dst for a in d or ()}
-    piece = per_device_shape(shape, dst, axis_sizes)
-    return any(
-        any(a not in kept and axis_sizes[a] > 1 for a in d or ()) and any(n > 1 for n in piece[:i])
-        for i, d in enumerate(src)
-    )
-
-
 def ring_bytes(kind: str, n: int, local: float) -> float:
     """Bytes one device sends for one collective over a group of ``n`` devices with ring
     algorithms: ``2(n-1)/n`` of the buffer for an all-reduce, ``(n-1)/n`` for the others.
