@@ -207,7 +207,14 @@ def compare(model: str = "llama2", scan: bool = True) -> tuple[MaxTextStep, list
         try:
             rows.append(jaxshard_row(m, mode, budget=reference.memory))
         except jaxshard.ShardingError as e:  # no layout fits the budget: said, not hidden
-            rows.append(Row(f"jaxshard, {mode}: {str(e).splitlines()[0][:60]}...", np.nan, 0, 0))
+            smallest = getattr(e, "footprint", None)
+            why = (
+                f"no layout fits; smallest estimate {smallest.total / 1024:.1f} KiB "
+                f"({smallest.total / reference.memory:.2f}x)"
+                if smallest is not None
+                else str(e).splitlines()[0][:60] + "..."
+            )
+            rows.append(Row(f"jaxshard, {mode}: {why}", np.nan, 0, 0))
     return m, rows
 
 
