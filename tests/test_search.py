@@ -602,3 +602,25 @@ def test_optimizer_state_is_matched_to_its_parameter_by_path():
     ]
     found = followers(names, [(8, 8)] * len(names), ["float32"] * len(names), range(len(names)))
     assert found == {2: 0, 5: 3, 6: 4}
+
+
+def test_an_axis_the_program_gives_a_weight_on_two_dims_is_hinted_once(mesh):
+    # the program's own constraints put "model" on both the input's features and the
+    # hidden units (MaxText's activation rules do): the weight joining them can hold the
+    # axis on one dim only, and the search hints (and prices) it there
+    def loss(w, x):
+        x = jax.lax.with_sharding_constraint(x, jax.NamedSharding(mesh, P(None, "model")))
+        h = jax.lax.with_sharding_constraint(x @ w, jax.NamedSharding(mesh, P(None, "model")))
+        return jnp.sum(jnp.tanh(h) ** 2)
+
+    def sgd(w, x):
+        return w - 0.1 * jax.grad(loss)(w, x)
+
+    w, x = jnp.ones((64, 128)) * 0.01, jnp.linspace(-1, 1, 16 * 64).reshape(16, 64)
+    result = search_hints(sgd, (w, x), {}, mesh, {"x": P("data")})
+    spec = result.hints["w"]
+    axes = jax.tree.leaves(tuple(spec))
+    assert P.UNCONSTRAINED not in tuple(spec) and len(axes) == len(set(axes)), spec
+    assert "model" in axes, spec
+    step = jaxshard.auto_shard(mesh, {"x": P("data"), **result.hints})(sgd)
+    np.testing.assert_allclose(step(w, x), jax.jit(sgd)(w, x), rtol=1e-5, atol=1e-7)
