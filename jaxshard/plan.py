@@ -354,6 +354,7 @@ class Plan:
             key = (vid, dst, xla_scope(g.apps[a].where))
             last[key] = max(last.get(key, at[a]), at[a])
         copies = []
+        uses = g.uses()
         reduced = self._reduction_times(at) if reduced is None else reduced
         stored = set() if live is None else set(live.intermediates.tolist())
         for i, r in enumerate(self.reshards):
@@ -369,13 +370,36 @@ class Plan:
                 if o is not None and o not in stored and live.end[o] >= 0:
                     # an elementwise result fusion would recompute in its readers: the
                     # collective's output is a buffer of its own (an optimizer update
-                    # gathered to its parameter's layout)
-                    copies.append((t, int(max(t, live.end[o])), own))
+                    # gathered to its parameter's layout), alive while the fusions that
+                    # read it run: XLA gathers it next to them (optax updates every leaf,
+                    # then applies them all, and the whole chain is one fusion)
+                    roots = self._fusion_readers(r.vid, stored, uses, at)
+                    end = int(max(t, live.end[o], *roots))
+                    copies.append((min(roots, default=t), end, own))
                 continue
             size = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.dst, self.axis_sizes)
             key = (r.vid, r.dst, xla_scope(g.apps[r.app].where))
             copies.append((sched.hoisted(r.app, r.vid), int(max(t, last.get(key, t))), size))
         return copies
+
+    def _fusion_readers(self, v: int, stored: set[int], uses, at) -> list[int]:
+        """The times of the equations that read ``v`` and leave a buffer (a stored value
+        or a result), through the elementwise chain fusion folds into them."""
+        g = self.graph
+        buffers = stored | set(g.out_vids)
+        times, todo, seen = [], [v], {v}
+        while todo:
+            x = todo.pop()
+            for a in uses[x]:
+                if x not in g.apps[a].operands:
+                    continue
+                for res in g.apps[a].results:
+                    if res in buffers:
+                        times.append(int(at[a]))
+                    elif res not in seen:
+                        seen.add(res)
+                        todo.append(res)
+        return times
 
     def _reduction_times(self, at) -> dict[int, int]:
         """When each partial sum's all-reduce runs, by index into ``reshards``, where XLA
