@@ -24,7 +24,11 @@ class SearchResult:
     """What `search_hints` chose and what it costs.
 
     ``hints`` maps exact argument paths (``re.escape``\\d) to full PartitionSpecs for the
-    leaves the search decided; together with the user's hints they give ``plan``.
+    leaves the search decided; together with the user's hints, and the search's choice
+    of which of them are storage layouts (FSDP), they give ``plan``, which
+    ``auto_shard(..., search=True)`` runs. Planned again from the hints alone, a layout
+    that could be either storage or computation is decided again (`plan_from_graph`)
+    and the plan can differ, its memory too.
     ``predicted_bytes`` and ``memory_bytes`` are read from that plan: collective bytes per
     device per step (``plan.predicted_bytes``: a scan body's reshards count once per
     iteration) and `jaxshard.cost.memory_estimate`'s
