@@ -354,9 +354,10 @@ class Plan:
             key = (vid, dst, xla_scope(g.apps[a].where))
             last[key] = max(last.get(key, at[a]), at[a])
         copies = []
-        uses = g.uses()
+        uses = None  # `Graph.uses`, made when a gathered result needs its readers
         reduced = self._reduction_times(at) if reduced is None else reduced
         stored = set() if live is None else set(live.intermediates.tolist())
+        buffers = stored | set(g.out_vids)
         for i, r in enumerate(self.reshards):
             t = int(at[r.app])
             if r.vid in g.apps[r.app].results:
@@ -373,7 +374,8 @@ class Plan:
                     # gathered to its parameter's layout), alive while the fusions that
                     # read it run: XLA gathers it next to them (optax updates every leaf,
                     # then applies them all, and the whole chain is one fusion)
-                    roots = self._fusion_readers(r.vid, stored, uses, at)
+                    uses = g.uses() if uses is None else uses
+                    roots = self._fusion_readers(r.vid, buffers, uses, at)
                     end = int(max(t, live.end[o], *roots))
                     copies.append((min(roots, default=t), end, own))
                 continue
@@ -382,11 +384,10 @@ class Plan:
             copies.append((sched.hoisted(r.app, r.vid), int(max(t, last.get(key, t))), size))
         return copies
 
-    def _fusion_readers(self, v: int, stored: set[int], uses, at) -> list[int]:
-        """The times of the equations that read ``v`` and leave a buffer (a stored value
-        or a result), through the elementwise chain fusion folds into them."""
+    def _fusion_readers(self, v: int, buffers: set[int], uses, at) -> list[int]:
+        """The times of the equations that read ``v`` and leave a buffer (a value in
+        ``buffers``: stored or a result), through the chain fusion folds into them."""
         g = self.graph
-        buffers = stored | set(g.out_vids)
         times, todo, seen = [], [v], {v}
         while todo:
             x = todo.pop()

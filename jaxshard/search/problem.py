@@ -176,6 +176,7 @@ class Problem(MemoryModel):
         # with, per its dim, the value's dim: MaxText moves a stack's layer dim to the
         # front before its scan; the uses of such a view are the value's uses
         self._views: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        self._alias_memo: dict[int, list[tuple[int, tuple[int, ...]]]] = {}  # `_aliases`
         # a stacked argument -> the per-layer values scans slice it into (their uses are
         # its uses, once per iteration)
         self._layers: dict[int, list[int]] = {}
@@ -515,10 +516,12 @@ class Problem(MemoryModel):
 
     def _aliases(self, v: int) -> list[tuple[int, tuple[int, ...]]]:
         """``v`` and every value that is ``v`` moved or converted, each with, per its dim,
-        the dim of ``v`` it holds."""
-        out = [(v, tuple(range(len(self.graph.shapes[v]))))]
-        for w, dims in out:  # grows while read: views of views
-            out += [(r, tuple(dims[p] for p in perm)) for r, perm in self._views.get(w, ())]
+        the dim of ``v`` it holds (memoized: the memory rows ask per joint choice)."""
+        out = self._alias_memo.get(v)
+        if out is None:
+            out = self._alias_memo[v] = [(v, tuple(range(len(self.graph.shapes[v]))))]
+            for w, dims in out:  # grows while read: views of views
+                out += [(r, tuple(dims[p] for p in perm)) for r, perm in self._views.get(w, ())]
         return out
 
     def _stack_dim(self, v: int) -> int | None:
@@ -867,9 +870,9 @@ class Problem(MemoryModel):
             refs = self.refs(self.graph.in_vids[i])
             used = [a for x in lay for a in x]
             if len(used) != len(set(used)):
-                # dims fixed by pins elsewhere that give one axis twice (MaxText's activations
-                # put "tensor" on both the embed and the MLP dims a weight joins): left to
-                # propagation, whose conflict policy decides them
+                # the leaf's own pin gives an axis a dim fixed by pins elsewhere also has
+                # (`_once` settles the dims pins elsewhere fix alone): those dims are left
+                # to propagation, whose conflict policy decides them
                 for d, r in enumerate(refs):
                     if type(r) is Fixed and lay[d]:
                         entries[d] = PartitionSpec.UNCONSTRAINED
