@@ -10,6 +10,7 @@ every value, the in/out specs as pytrees, and explains itself.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import gc
@@ -337,8 +338,9 @@ class Plan:
         gathered from its storage layout), alive from the use that moves it to the last
         later contraction in the same XLA computation that reads the same copy (XLA
         merges those collectives, `_move_operand`), and the working buffers of results
-        computed in a larger layout (a gradient summed whole, then reduce-scattered);
-        as ``(first, last, bytes per device)`` in the times of ``live``'s schedule (XLA
+        computed in a larger layout (a gradient summed whole, then reduce-scattered)
+        or gathered to one (an optimizer update gathered to its parameter's layout,
+        `_gathered_together`); as ``(first, last, bytes per device)`` in the times of ``live``'s schedule (XLA
         gathers a parameter before the loops when nothing else holds the gather back);
         ``reduced``: `_reduction_times` in those times, when known.
 
@@ -354,10 +356,12 @@ class Plan:
             key = (vid, dst, xla_scope(g.apps[a].where))
             last[key] = max(last.get(key, at[a]), at[a])
         copies = []
-        uses = None  # `Graph.uses`, made when a gathered result needs its readers
+        uses = producers = None  # made when a gathered result needs its readers
         reduced = self._reduction_times(at) if reduced is None else reduced
         stored = set() if live is None else set(live.intermediates.tolist())
-        buffers = stored | set(g.out_vids)
+        outs = set(g.out_vids)
+        buffers = stored | outs
+        applied: dict[str, list] = {}  # scope -> gathered updates fused into their applies
         for i, r in enumerate(self.reshards):
             t = int(at[r.app])
             if r.vid in g.apps[r.app].results:
@@ -371,24 +375,77 @@ class Plan:
                 if o is not None and o not in stored and live.end[o] >= 0:
                     # an elementwise result fusion would recompute in its readers: the
                     # collective's output is a buffer of its own (an optimizer update
-                    # gathered to its parameter's layout), alive while the fusions that
-                    # read it run: XLA gathers it next to them (optax updates every leaf,
-                    # then applies them all, and the whole chain is one fusion)
-                    uses = g.uses() if uses is None else uses
-                    roots = self._fusion_readers(r.vid, buffers, uses, at)
-                    end = int(max(t, live.end[o], *roots))
-                    copies.append((min(roots, default=t), end, own))
+                    # gathered to its parameter's layout)
+                    if uses is None:
+                        uses, producers = g.uses(), g.producers()
+                    readers = self._fusion_readers(r.vid, buffers, uses, at)
+                    end = int(max(t, live.end[o], *readers.values()))
+                    written = {v: w for v, w in readers.items() if v in outs}
+                    first = min(readers.values(), default=t)
+                    if written:  # an update applied to a parameter
+                        scope = xla_scope(g.apps[r.app].where)
+                        ready = self._fused_from(r.vid, buffers, producers, at)
+                        applied.setdefault(scope, []).append((ready, first, end, own, written))
+                    else:
+                        copies.append((first, end, own))
                 continue
             size = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.dst, self.axis_sizes)
             key = (r.vid, r.dst, xla_scope(g.apps[r.app].where))
             copies.append((sched.hoisted(r.app, r.vid), int(max(t, last.get(key, t))), size))
+        for group in applied.values():
+            copies += self._gathered_together(group)
         return copies
 
-    def _fusion_readers(self, v: int, buffers: set[int], uses, at) -> list[int]:
-        """The times of the equations that read ``v`` and leave a buffer (a value in
-        ``buffers``: stored or a result), through the chain fusion folds into them."""
+    def _gathered_together(self, group: list) -> list[tuple[int, int, int]]:
+        """The gathered results of one computation that fusion folds into readers that
+        write step results (optimizer updates gathered to their parameters' layouts;
+        ``(computed, first reader, last reader, bytes, {result written: when})`` each),
+        as XLA lays them out: it issues the gathers one after another before the first
+        of their readers that runs once they are computed, so each is alive from there
+        (optax computes every leaf's update, then applies them all: XLA gathers every
+        update, then applies them), and a gather can sit in the buffer of a step result
+        written after its last reader (a later parameter's new value): largest first,
+        one gather to a result."""
         g = self.graph
-        times, todo, seen = [], [v], {v}
+        firsts = sorted(first for _, first, *_ in group)
+        sizes = {
+            v: per_device_bytes(g.shapes[v], g.dtypes[v], d, self.axis_sizes)
+            for v, d in zip(g.out_vids, self.out_dims)
+        }  # fmt: skip
+        free = {v: t for *_, written in group for v, t in written.items()}
+        copies = []
+        for ready, first, last, size, _ in sorted(group, key=lambda c: -c[3]):
+            fits = [v for v, t in free.items() if t > last and sizes[v] >= size]
+            if fits:
+                del free[min(fits, key=sizes.get)]
+            else:
+                earliest = firsts[min(bisect.bisect_left(firsts, ready), len(firsts) - 1)]
+                copies.append((min(first, earliest), last, size))
+        return copies
+
+    def _fused_from(self, v: int, buffers: set[int], producers, at) -> int:
+        """When the last buffer that the chain fusion folds into ``v`` reads is written
+        (XLA can compute ``v`` from then on)."""
+        g = self.graph
+        ready, todo, seen = 0, [v], {v}
+        while todo:
+            a = producers.get(todo.pop())
+            if a is None:
+                continue
+            for x in g.apps[a].operands:
+                if x in buffers:
+                    ready = max(ready, int(at[producers[x]]) if x in producers else 0)
+                elif x not in seen:
+                    seen.add(x)
+                    todo.append(x)
+        return ready
+
+    def _fusion_readers(self, v: int, buffers: set[int], uses, at) -> dict[int, int]:
+        """The buffers (values in ``buffers``: stored, or results) written by equations
+        that read ``v`` through the chain fusion folds into them, with when each is
+        written."""
+        g = self.graph
+        written, todo, seen = {}, [v], {v}
         while todo:
             x = todo.pop()
             for a in uses[x]:
@@ -396,11 +453,11 @@ class Plan:
                     continue
                 for res in g.apps[a].results:
                     if res in buffers:
-                        times.append(int(at[a]))
+                        written[res] = int(at[a])
                     elif res not in seen:
                         seen.add(res)
                         todo.append(res)
-        return times
+        return written
 
     def _reduction_times(self, at) -> dict[int, int]:
         """When each partial sum's all-reduce runs, by index into ``reshards``, where XLA

@@ -66,24 +66,54 @@ def test_a_gradient_summed_before_the_backward_loop_waits_for_the_combined_reduc
     assert _ratio(line, jax.grad(loss), args, {"x": P("data")}) == pytest.approx(1.0, abs=0.10)
 
 
-def test_an_update_gathered_to_its_parameter_is_gathered_where_it_is_applied(line):
+def _zero1_step(params, mu, nu, x):
     # ZeRO-1: Adam's moments are stored split over the batch's axis and the weights whole,
     # so each update is computed split and gathered to its weight's layout. Like optax,
-    # the step computes every leaf's update, then applies them all: each update's chain
-    # is one fusion with its apply, and XLA gathers each update next to it, one at a time
+    # the step computes every leaf's update, then applies them all
+    def loss(p):
+        return jnp.mean((jnp.tanh(x @ p["a"]) @ p["b"]) ** 2)
+
+    grads = jax.grad(loss)(params)
+    mu = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, mu, grads)
+    nu = jax.tree.map(lambda v, g: 0.99 * v + 0.01 * g * g, nu, grads)
+    updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + 1e-8), mu, nu)
+    updates = jax.tree.map(lambda u, p: u + 1e-4 * p, updates, params)
+    return jax.tree.map(lambda p, u: p - 0.1 * u, params, updates), mu, nu
+
+
+ZERO1 = {r"params/.*": P(None, None), r"(mu|nu)/.*": P("data", None), "x": P("data")}
+
+
+def test_an_update_gathered_to_its_parameter_is_gathered_where_it_is_applied(line):
+    # each update's chain is one fusion with its apply: the gathered update is alive
+    # from the applies, not from where the moments are updated
+    params = {name: jax.ShapeDtypeStruct(s, F32) for name, s in
+              [("a", (1024, 4096)), ("b", (4096, 1024)), ("c", (4096, 1024))]}  # fmt: skip
+    args = (params, params, params, jax.ShapeDtypeStruct((64, 1024), F32))
+    assert _ratio(line, _zero1_step, args, ZERO1) == pytest.approx(1.0, abs=0.05)
+
+
+def test_updates_gathered_to_their_parameters_are_all_gathered_before_the_first_apply(line):
+    # the gradients of a layer stack are reduce-scattered in the backward loop, so the
+    # tail is the peak: XLA computes every update, issues the gathers one after another,
+    # then applies them. Gathered "a" sits in the buffer of "b"'s new value (written
+    # after it); gathered "b" and "c" are alive at once (128 + 64 MiB)
     def step(params, mu, nu, x):
         def loss(p):
-            return jnp.mean((jnp.tanh(x @ p["a"]) @ p["b"]) ** 2)
+            def body(h, w):
+                h = jnp.tanh(jnp.tanh(h @ w["a"]) @ w["b"])
+                return h + jnp.tanh(h @ w["c"]), None
+
+            return jnp.mean(jax.lax.scan(body, x, p)[0] ** 2)
 
         grads = jax.grad(loss)(params)
         mu = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, mu, grads)
         nu = jax.tree.map(lambda v, g: 0.99 * v + 0.01 * g * g, nu, grads)
         updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + 1e-8), mu, nu)
-        updates = jax.tree.map(lambda u, p: u + 1e-4 * p, updates, params)
         return jax.tree.map(lambda p, u: p - 0.1 * u, params, updates), mu, nu
 
     params = {name: jax.ShapeDtypeStruct(s, F32) for name, s in
-              [("a", (1024, 4096)), ("b", (4096, 1024)), ("c", (4096, 1024))]}  # fmt: skip
+              [("a", (16, 1024, 2048)), ("b", (16, 2048, 1024)), ("c", (16, 1024, 1024))]}  # fmt: skip
     args = (params, params, params, jax.ShapeDtypeStruct((64, 1024), F32))
-    hints = {r"params/.*": P(None, None), r"(mu|nu)/.*": P("data", None), "x": P("data")}
-    assert _ratio(line, step, args, hints) == pytest.approx(1.0, abs=0.05)
+    hints = {r"params/.*": P(None, None, None), r"(mu|nu)/.*": P(None, "data"), "x": P("data")}
+    assert _ratio(line, step, args, hints) == pytest.approx(1.0, abs=0.03)
