@@ -904,11 +904,17 @@ class Liveness:
     squeezable: Mapping[int, int] = field(default_factory=dict)
 
 
-def liveness(graph, skip: Iterable[int] = (), ready: Mapping[int, int] | None = None) -> Liveness:
+def liveness(
+    graph,
+    skip: Iterable[int] = (),
+    ready: Mapping[int, int] | None = None,
+    bitcasts: Iterable[int] = (),
+) -> Liveness:
     """Lifetimes of a graph's buffers: produced by their first equation, freed after their
     last use, in the times of XLA's `schedule` (``ready`` as there); arguments and
     results live for the whole call and are not intermediates. Applications in ``skip``
-    (dead code) neither produce nor use anything.
+    (dead code) neither produce nor use anything; those in ``bitcasts`` (`bitcasts`: a
+    layout's reshapes that keep each device's data as it is) make no buffer of their own.
 
     Example:
         >>> import jax.numpy as jnp, jaxshard.rules
@@ -947,6 +953,13 @@ def liveness(graph, skip: Iterable[int] = (), ready: Mapping[int, int] | None = 
                 ro, rr = find_root(parent, o), find_root(parent, r)
                 if ro != rr:  # the maker's layout sizes the buffer (a partial sum's)
                     parent[rr] = ro
+    # a bitcast reads its operand's buffer in the new shape (a layer stack reshaped into
+    # pipeline stages): one buffer
+    for a in bitcasts:
+        (o, *_), (r,) = graph.apps[a].operands, graph.apps[a].results
+        ro, rr = find_root(parent, o), find_root(parent, r)
+        if ro != rr and a not in skip:
+            parent[rr] = ro
     owner = _common_subexpressions(graph, [find_root(parent, v) for v in range(n)], skip)
     big = len(graph.apps) + 1
     start = np.full(n, big, dtype=np.int64)
@@ -994,6 +1007,40 @@ def liveness(graph, skip: Iterable[int] = (), ready: Mapping[int, int] | None = 
     end = np.where(keep, end, -1)
     return Liveness(owner, start, end, np.flatnonzero(keep), stacked, sched)
 
+
+def bitcasts(graph, dims: Sequence[Sequence[DimSharding]], axis_sizes, moved: set[int]) -> set[int]:
+    """The reshapes XLA runs as bitcasts under a layout: those whose operand and result
+    hold the same bytes on each device and that move nothing (``moved``: applications
+    that reshard an operand or result). Each device's shard of a reshape is the reshape
+    of its operand's shard when no axis moves (a stack of 32 layers split 8 ways is 8
+    stacks of 4 layers, each device's 4 layers where they were).
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> g = build_graph(trace(lambda x: x.reshape(2, 4) * 2, (jnp.ones(8),), {}), {})
+        >>> rows = [[("data",)] + [()] * (len(s) - 1) for s in g.shapes]
+        >>> bitcasts(g, rows, {"data": 2}, set())
+        {0}
+    """
+    out = set()
+    for a, app in enumerate(graph.apps):
+        if (
+            app.kind is AppKind.EQN
+            and app.eqn is not None
+            and app.eqn.primitive.name in _BITCASTS
+            and a not in moved
+        ):
+            (o, *_), (r,) = app.operands, app.results
+            if graph.dtypes[o] == graph.dtypes[r] and per_device_bytes(
+                graph.shapes[o], graph.dtypes[o], dims[o], axis_sizes
+            ) == per_device_bytes(graph.shapes[r], graph.dtypes[r], dims[r], axis_sizes):
+                out.add(a)
+    return out
+
+
+_BITCASTS = frozenset({"reshape", "squeeze"})  # equations XLA runs as a bitcast of a buffer
 
 # calls XLA inlines before its common-subexpression pass; every other enclosing equation
 # (a loop, a branch, a rematerialized region behind its optimization barrier, a manual

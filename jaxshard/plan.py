@@ -32,6 +32,7 @@ from jaxshard.cost import (
     MemoryEstimate,
     PlannedCollective,
     WrittenCollective,
+    bitcasts,
     combines_all_reduces,
     executions,
     fused_liveness,
@@ -327,7 +328,8 @@ class Plan:
         # readers of a reduced value wait for its combined reduction
         reduced = self._reduction_times(schedule(g).at)
         ready = {self.reshards[i].vid: t for i, t in reduced.items()}
-        live = fused_liveness(g, liveness(g, dead_apps(g), ready))
+        views = bitcasts(g, self.dims, self.axis_sizes, {r.app for r in self.reshards})
+        live = fused_liveness(g, liveness(g, dead_apps(g), ready, views))
         copies = self.moved_copies(live, reduced)
         return memory_estimate(g, self.dims, self.axis_sizes, self.out_dims, live, copies)
 

@@ -117,3 +117,15 @@ def test_updates_gathered_to_their_parameters_are_all_gathered_before_the_first_
     args = (params, params, params, jax.ShapeDtypeStruct((64, 1024), F32))
     hints = {r"params/.*": P(None, None, None), r"(mu|nu)/.*": P(None, "data"), "x": P("data")}
     assert _ratio(line, step, args, hints) == pytest.approx(1.0, abs=0.03)
+
+
+def test_a_reshaped_argument_is_read_in_place(line):
+    # the stack is split into pairs of layers for the loop: the reshape is a bitcast of
+    # the argument's buffer, not a 64 MiB copy alive while the loop runs
+    def f(ws, x):
+        pairs = ws.reshape(32, 2, *ws.shape[1:])
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(jnp.tanh(h @ w[0]) @ w[1]), None), x, pairs)
+        return jnp.sum(h)
+
+    args = (jax.ShapeDtypeStruct((64, 512, 512), F32), jax.ShapeDtypeStruct((64, 512), F32))
+    assert _ratio(line, f, args, {"x": P("data")}) == pytest.approx(1.0, abs=0.03)
