@@ -21,7 +21,9 @@ layer stack under `jax.lax.scan`, pipelines: a ``stage`` axis over the slowest l
 stage count that divides the layers, with the most microbatches of 4S, 2S or S that
 split the batch. A pipeline whose lower bound (the program's FLOPs spread over every
 device and stretched by the bubble, plus the activations it hands between stages) is
-no faster than the best candidate found is pruned without being searched.
+no faster than the best candidate found is pruned without being searched. The best
+pipeline searched is weighed again with its batch axes split into ``data`` x ``fsdp``
+(up to four axes: ``stage``, ``data``, ``fsdp``, ``tensor``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from jaxshard.topology import Topology
 
 ROLES = ("data", "fsdp", "tensor")  # mesh axis names, outermost first
 PIPELINE_ROLES = ("stage", "data", "tensor")  # a pipeline candidate's axes
+PIPELINE_SPLIT_ROLES = ("stage", "data", "fsdp", "tensor")  # with its batch axes split
 REFINED = 2  # tensor degrees whose batch axes are split into data x fsdp
 SEARCH_SECONDS = 4.0  # the most one mesh's layout search runs (it keeps the best found)
 
@@ -322,6 +325,14 @@ def auto_parallel(
         pipelines = _pipelines(candidates, n, topology, cost_model, plain)
         candidates += [c for c in pipelines if c.status != "not searched"]
         weigh_all([c for c in pipelines if c.status == "not searched"])
+        # the best pipeline's batch axes split in two, as the meshes without a stage are
+        for b in sorted((c for c in pipelines if c.memory is not None), key=_rank)[:1]:
+            stages, data, t = (b.degrees.get(r, 1) for r in PIPELINE_ROLES)
+            split = [Candidate(*_named((stages, d, f, t), PIPELINE_SPLIT_ROLES))
+                     for d, f in _splits(data)]  # fmt: skip
+            for c in split:
+                c.microbatches = b.microbatches
+            weigh_all(split)
     if not any(c.fits for c in candidates):
         for c in candidates:
             if c.status == "near the memory limit":

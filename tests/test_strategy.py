@@ -180,6 +180,30 @@ def test_a_pipeline_its_bubble_cannot_pay_for_is_pruned_unsearched():
     assert "not under the best" in pipeline.status and "stage" not in s.best.axes
 
 
+def test_the_best_pipeline_is_weighed_with_its_batch_axes_split_too():
+    # collectives within a pair of devices are slow to start: the best pipeline puts its
+    # 4 devices per stage on the batch, and is weighed again with them as data x fsdp,
+    # a mesh of stage, data and fsdp that runs like the unsharded step
+    k1, k2 = jax.random.split(jax.random.key(2))
+    params = {"layers": jax.random.normal(k1, (8, 64, 64)) / 8}
+    batch = {"x": jax.random.normal(k2, (64, 64)), "y": jnp.zeros((64, 64))}
+    args = (params, OPTIMIZER.init(params), batch)
+    levels = Topology.generic([(2, 1e11, 1e-3), (2, 1e10, 1e-6), (2, 1e7, 1e-6)], flops=1e12)
+    s = jaxshard.auto_parallel(
+        stack_step, *args, devices=jax.devices(), memory_per_device=MEMORY, hints=HINTS,
+        topology=levels,
+    )  # fmt: skip
+    (piped,) = [c for c in s.candidates if c.degrees == {"stage": 2, "data": 4}]
+    (split,) = [c for c in s.candidates if c.degrees == {"stage": 2, "data": 2, "fsdp": 2}]
+    assert piped.fits and split.fits and split.microbatches == piped.microbatches
+    mesh = jax.make_mesh(split.shape, split.axes, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    step = jaxshard.auto_shard(
+        mesh, split.hints, search=True, memory_budget=MEMORY, pipeline=split.pipeline
+    )(stack_step)
+    assert_leaves_match(step(*args), jax.jit(stack_step)(*args))
+    assert "stage=2, data=2, fsdp=2" in s.explain()
+
+
 @pytest.mark.parametrize(
     "kwargs, error",
     [
