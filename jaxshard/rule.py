@@ -243,45 +243,63 @@ _BOUNDARIES: dict[Primitive, BoundaryFn] = {}
 _ANNOTATIONS: dict[Primitive, BoundaryFn] = {}
 
 
+_TABLES: dict[str, dict[Primitive, Callable]] = {
+    "rule": _RULES,
+    "region": _REGIONS,
+    "boundary": _BOUNDARIES,
+    "annotation": _ANNOTATIONS,
+}
+
+
+def _register(kind: str, primitives: Sequence[Primitive]) -> Callable[[Callable], Callable]:
+    """A decorator registering its function as the ``kind`` of each primitive; a
+    primitive has one entry in all the tables (a second would silently decide which
+    one the engine reads). Registering the same function again (a module reloaded) is
+    allowed."""
+
+    def deco(fn: Callable) -> Callable:
+        for prim in primitives:
+            for held, table in _TABLES.items():
+                old = table.get(prim)
+                if old is not None and _name(old) != _name(fn):
+                    raise JaxshardBug(
+                        f"primitive {prim.name!r} already has the {held} {_name(old)}; "
+                        f"{_name(fn)} cannot be registered as its {kind} too. Extend "
+                        "the one registered, or register the new function for other "
+                        "primitives"
+                    )
+            _TABLES[kind][prim] = fn
+        return fn
+
+    return deco
+
+
+def _name(fn: Callable) -> str:
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
 def register_rule(*primitives: Primitive) -> Callable[[RuleFn], RuleFn]:
-    """Register ``fn(eqn) -> Rule`` for primitives.
+    """Register ``fn(eqn) -> Rule`` for primitives (each primitive once: a second
+    registration of any kind raises).
 
     Example:
         >>> from jax.extend.core import primitives as p
         >>> @register_rule(p.neg_p)  # doctest: +SKIP
         ... def _neg(eqn): ...
     """
-
-    def deco(fn: RuleFn) -> RuleFn:
-        for prim in primitives:
-            _RULES[prim] = fn
-        return fn
-
-    return deco
+    return _register("rule", primitives)
 
 
 def register_region(*primitives: Primitive) -> Callable[[RegionFn], RegionFn]:
     """Register ``fn(eqn) -> [Region]`` for higher-order primitives (see `Region`)."""
-
-    def deco(fn: RegionFn) -> RegionFn:
-        for prim in primitives:
-            _REGIONS[prim] = fn
-        return fn
-
-    return deco
+    return _register("region", primitives)
 
 
 def register_boundary(*primitives: Primitive) -> Callable[[BoundaryFn], BoundaryFn]:
     """Register ``fn(eqn) -> (operand specs, result specs)`` for primitives whose
     operands and results have fixed layouts and whose inside is not planned (e.g.
     `shard_map`: the body is manual). Nothing propagates across them."""
-
-    def deco(fn: BoundaryFn) -> BoundaryFn:
-        for prim in primitives:
-            _BOUNDARIES[prim] = fn
-        return fn
-
-    return deco
+    return _register("boundary", primitives)
 
 
 def register_annotation(*primitives: Primitive) -> Callable[[BoundaryFn], BoundaryFn]:
@@ -289,13 +307,7 @@ def register_annotation(*primitives: Primitive) -> Callable[[BoundaryFn], Bounda
     pin layouts (``None`` entries pin nothing): the equation passes shardings through
     like an elementwise op, and the given specs become pins (e.g. a user's
     `with_sharding_constraint`)."""
-
-    def deco(fn: BoundaryFn) -> BoundaryFn:
-        for prim in primitives:
-            _ANNOTATIONS[prim] = fn
-        return fn
-
-    return deco
+    return _register("annotation", primitives)
 
 
 def annotation_fn_for(primitive: Primitive) -> BoundaryFn | None:

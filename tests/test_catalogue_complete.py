@@ -130,3 +130,25 @@ def test_exclusions_are_current():
 def test_walk_finds_the_catalogue():
     """The walk itself works: it sees the primitives the catalogue is built on."""
     assert {"dot_general", "stack", "cholesky", "fft", "scatter-sub"} <= set(REGISTERED)
+
+
+def test_a_primitive_is_registered_once():
+    # a second function for a primitive would silently decide which one the engine
+    # reads: the registry refuses it, naming both; the same function again is allowed
+    import pytest
+    from jax.extend.core import primitives as p
+
+    from jaxshard.errors import JaxshardBug
+    from jaxshard.rule import region_fn_for, register_region, register_rule, rule_fn_for
+
+    held = rule_fn_for(p.neg_p)
+
+    def neg_again(eqn):
+        return None
+
+    with pytest.raises(JaxshardBug, match=r"'neg' already has the rule .*elementwise.*"):
+        register_rule(p.neg_p)(neg_again)
+    with pytest.raises(JaxshardBug, match=r"neg_again cannot be registered as its region"):
+        register_region(p.neg_p)(neg_again)
+    assert register_rule(p.neg_p)(held) is held
+    assert rule_fn_for(p.neg_p) is held and region_fn_for(p.neg_p) is None
