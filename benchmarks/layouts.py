@@ -25,10 +25,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import PartitionSpec as P
+
+from jaxshard.cost import liveness, memory_estimate
+from jaxshard.plan import dead_apps, mesh_axis_sizes
+from jaxshard.search.memory import fused_liveness
+from jaxshard.trace import arg_names
+
+if TYPE_CHECKING:
+    from benchmarks.workloads import Workload
+
+BATCH = {r"batch/.*": P("data")}
 
 Specs = Any  # a pytree of PartitionSpec shaped like the params
 Layout = Callable[[Any, Mapping[str, int]], Specs]
@@ -224,3 +234,22 @@ def opt_state_specs(opt_state: Any, params: Any, param_specs: Specs) -> Specs:
         return P()
 
     return jax.tree_util.tree_map_with_path(spec, opt_state)
+
+
+def reference_hints(w: Workload, layout: Layout, mesh) -> dict[str, P]:
+    """Exact-path hints for every parameter in ``layout``, plus the batch."""
+    params = w.args[0]
+    specs = jax.tree.leaves(
+        layout(params, mesh_axis_sizes(mesh)), is_leaf=lambda x: isinstance(x, P)
+    )
+    names = [n for n in arg_names(w.step, w.args, {})[0] if n.startswith("params/")]
+    return {**BATCH, **{re.escape(n): s for n, s in zip(names, specs, strict=True)}}
+
+
+def estimated_memory(plan) -> float:
+    """A plan's per-device memory as the search counts it (`jaxshard.cost.memory_estimate`
+    over the buffers XLA's fusion leaves, `jaxshard.search.memory.fused_liveness`): the
+    unit of ``memory_budget``."""
+    g = plan.graph
+    live = fused_liveness(g, liveness(g, dead_apps(g)))
+    return memory_estimate(g, plan.dims, plan.axis_sizes, plan.out_dims, live).total

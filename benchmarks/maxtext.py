@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
 import maxtext_llama  # noqa: E402 - sets XLA_FLAGS before JAX loads
 
+from benchmarks.environment import write_result  # noqa: E402
+
 CASES = [("llama2", True), ("llama2", False), ("mixtral", True), ("mixtral", False)]
 
 
@@ -42,8 +44,6 @@ def main() -> None:
         "volumes per device per step, memory is arguments + results + temporaries per "
         "device, neither program donating its state.\n"
     )
-    from benchmarks.pipeline import write_result  # after measuring: it asks for 64 devices
-
     write_result("maxtext", head + "\n" + "\n\n".join(sections) + "\n", quick=False)
 
 

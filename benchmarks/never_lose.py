@@ -33,7 +33,8 @@ import jaxshard
 from jaxshard.baseline import CompiledCost, compiled_cost, shardy_alone
 
 from . import layouts, quality
-from .search import BATCH, estimated_memory, reference_hints
+from .environment import environment, load_now
+from .layouts import BATCH, estimated_memory, reference_hints
 from .workloads import Workload, meshes, models, quality_workloads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -191,8 +192,6 @@ def main() -> None:
     os.makedirs(folder, exist_ok=True)
     t0 = time.perf_counter()
     points = run(args.quick)
-    from .run import environment, load_now
-
     text = report(points, folder, f"{environment()} {load_now()}")
     with open(os.path.join(folder, "never_lose.md"), "w", encoding="utf-8") as f:
         f.write(text)

@@ -46,6 +46,7 @@ import jax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxshard  # noqa: E402
+from benchmarks.environment import write_result  # noqa: E402
 from benchmarks.workloads import models, workload  # noqa: E402
 from jaxshard.baseline import compiled_cost  # noqa: E402
 from jaxshard.cost import compute_flops, human_bytes  # noqa: E402
@@ -162,16 +163,6 @@ def command_line(argv, doc: str) -> bool:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small Llama, same mesh")
     return parser.parse_args(argv).quick
-
-
-def write_result(name: str, text: str, quick: bool) -> None:
-    """Write ``results/[quick/]<name>.md`` and print it."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    out = os.path.join(here, "results", "quick" if quick else "")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"{name}.md"), "w") as f:
-        f.write(text)
-    print(text)
 
 
 def log(message: str) -> None:

@@ -41,7 +41,7 @@ from jaxshard.plan import mesh_axis_sizes
 
 from . import layouts
 from .hlo import collective_stats
-from .search import estimated_memory, reference_hints
+from .layouts import estimated_memory, reference_hints
 from .workloads import SPEED_HINTS, Workload, meshes, quality_hints, quality_workloads
 
 

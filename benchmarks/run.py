@@ -13,10 +13,7 @@ each in its own process on 64.
 from __future__ import annotations
 
 import argparse
-import datetime
-import functools
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -24,30 +21,13 @@ import time
 if __package__ in (None, ""):  # `python benchmarks/run.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     __package__ = "benchmarks"
-import jax  # noqa: E402
 
 import benchmarks  # noqa: E402, F401  (sets the simulated device count before JAX loads)
 from benchmarks import never_lose, quality, speed  # noqa: E402
+from benchmarks.environment import environment, load_now  # noqa: E402
 from benchmarks.workloads import SPEED_BATCH, SPEED_WIDTHS, quality_workloads  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def environment() -> str:
-    try:
-        git = functools.partial(subprocess.run, cwd=HERE, capture_output=True, text=True)
-        commit = git(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
-        if git(["git", "status", "--porcelain", "--", "../jaxshard", "../rules"]).stdout.strip():
-            commit += " (with uncommitted changes to jaxshard/ or rules/)"
-    except OSError:
-        commit = "?"
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (
-        f"Measured {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} at commit {commit}: "
-        f"JAX {jax.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores "
-        f"(load average {load:.1f} at start), {jax.device_count()} simulated "
-        f"{jax.devices()[0].platform.upper()} devices."
-    )
 
 
 SPEED_NOTES = """\
@@ -140,11 +120,6 @@ The loss of the first run is compared with the unsharded `jax.jit` of the same s
 No accelerator was available, so the single-device GPU comparison of the planned program
 against plain `jax.jit` is not reported.
 """
-
-
-def load_now() -> str:
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return f"Load average when this file was written: {load:.1f}."
 
 
 def _write(out: str, name: str, text: str) -> None:

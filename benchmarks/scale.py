@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks.environment import write_result
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -319,8 +321,6 @@ def main(argv=None) -> None:
         + search_table([r for r in rows if "budget" in r])
         + "\n"
     )
-    from benchmarks.pipeline import write_result
-
     write_result("scale", text, quick=args.fast)
 
 

@@ -74,17 +74,15 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import benchmarks  # noqa: E402, F401  (sets the simulated device count before JAX loads)
 import jaxshard  # noqa: E402
-from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes  # noqa: E402
-from jaxshard.plan import dead_apps, mesh_axis_sizes  # noqa: E402
-from jaxshard.search.memory import fused_liveness  # noqa: E402
-from jaxshard.trace import arg_names  # noqa: E402
+from jaxshard.cost import CostModel, step_bytes  # noqa: E402
 from jaxshard.verify import compiled_collectives  # noqa: E402
 
 from . import layouts  # noqa: E402
 from .hlo import collective_stats  # noqa: E402
+from .layouts import BATCH, estimated_memory, reference_hints  # noqa: E402, F401
+from .quality import expert_layout  # noqa: E402
 from .workloads import Workload, count_equations, meshes, models, workload  # noqa: E402
 
-BATCH = {r"batch/.*": P("data")}
 MiB = 2**20
 
 
@@ -128,25 +126,6 @@ def workloads(quick: bool) -> list[tuple[Workload, bool]]:
         (workload("Llama-scan 4L", "llama", llama, 16), True),
         (workload("MoE", "moe", moe, 16), True),
     ]
-
-
-def reference_hints(w: Workload, layout: layouts.Layout, mesh) -> dict[str, P]:
-    """Exact-path hints for every parameter in ``layout``, plus the batch."""
-    params = w.args[0]
-    specs = jax.tree.leaves(
-        layout(params, mesh_axis_sizes(mesh)), is_leaf=lambda x: isinstance(x, P)
-    )
-    names = [n for n in arg_names(w.step, w.args, {})[0] if n.startswith("params/")]
-    return {**BATCH, **{re.escape(n): s for n, s in zip(names, specs, strict=True)}}
-
-
-def estimated_memory(plan) -> float:
-    """A plan's per-device memory as the search counts it (`jaxshard.cost.memory_estimate`
-    over the buffers XLA's fusion leaves, `jaxshard.search.memory.fused_liveness`): the
-    unit of ``memory_budget``."""
-    g = plan.graph
-    live = fused_liveness(g, liveness(g, dead_apps(g)))
-    return memory_estimate(g, plan.dims, plan.axis_sizes, plan.out_dims, live).total
 
 
 def measure_compiled(row: Row, w: Workload, step: jaxshard.AutoShard) -> None:
@@ -240,8 +219,6 @@ TARGET_FLOPS, TARGET_BANDWIDTH = 1e14, 1e11  # per device: FLOP/s, bytes/s
 
 def hand_row(label: str, w: Workload, mesh, layout: layouts.Layout, batch: P) -> Row:
     """A hand layout compiled by `jax.jit` with full in/out shardings."""
-    from .quality import expert_layout  # quality imports this module
-
     row = Row(label)
     measure(row, expert_layout(w, mesh, layout, batch).compiled, mesh)
     return row

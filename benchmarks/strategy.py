@@ -27,7 +27,8 @@ import os
 import sys
 import time
 
-from benchmarks.scale import gib
+from benchmarks.environment import write_result
+from benchmarks.scale import LAYOUTS, MOE_LAYOUTS, SHAPES, gib, hints_for, per_device_count
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -52,7 +53,6 @@ def measure(devices: int, fast: bool, only: str = "") -> list[dict]:
     import models
 
     import jaxshard
-    from benchmarks.scale import LAYOUTS, MOE_LAYOUTS, SHAPES, hints_for
     from benchmarks.workloads import workload
     from jaxshard import Topology  # noqa: F401 - the topologies are written with it
     from jaxshard.baseline import compiled_memory, compiled_step_time
@@ -159,7 +159,6 @@ def table(rows: list[dict]) -> str:
 
 def run(counts: list[int], fast: bool, only: str) -> list[dict]:
     """Each device count in a subprocess with that many simulated CPU devices."""
-    from benchmarks.scale import per_device_count
 
     argv = (["--fast"] if fast else []) + (["--models", only] if only else [])
     return per_device_count("benchmarks.strategy", counts, argv)
@@ -191,8 +190,6 @@ def main(argv=None) -> None:
         + table(rows)
         + "\n"
     )  # fmt: skip
-    from benchmarks.pipeline import write_result
-
     write_result("strategy", text, quick=args.fast)
 
 
