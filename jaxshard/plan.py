@@ -723,6 +723,10 @@ def app_moves(
     for vid, d, want in working:
         if want is not None and dims[vid][d] != want:
             wants.setdefault(vid, list(dims[vid]))[d] = want
+    if axes and contracts(graph.apps[a]):
+        gathered = _gathered_instead(graph, dims, wants, axes, axis_sizes, a)
+        if gathered is not None:
+            return gathered, frozenset()
     moves: list[Move] = [
         (vid, tuple(dims[vid]), tuple(work), frozenset())
         for vid, work in wants.items()
@@ -732,6 +736,39 @@ def app_moves(
         if axes or r in wants:
             moves.append((r, tuple(wants.get(r, dims[r])), tuple(dims[r]), axes))
     return moves, axes
+
+
+def _gathered_instead(graph, dims, wants, axes, axis_sizes, a) -> list[Move] | None:
+    """The moves XLA makes instead of a contraction's partial sum when one operand alone
+    holds the contracted dim split (the other is whole there and would be sliced) and,
+    gathered, it is no larger than the result: it all-gathers that operand and
+    contracts whole, moving at most half the bytes of the result's all-reduce (measured:
+    ``x[b, k/4] @ w[k, n]`` gathers x when k <= n and all-reduces the product when k >
+    n). None where the partial sum stands: the result is scattered over the summed
+    axes (a reduce-scatter), or both operands hold them."""
+    app = graph.apps[a]
+    (r,) = app.results if len(app.results) == 1 else (None,)
+    if r is None or any(x in axes for d in dims[r] for x in d):
+        return None
+    holders = [v for v in app.operands if any(x in axes for d in dims[v] for x in d)]
+    if len(holders) != 1 or holders[0] in wants:
+        return None
+    (x,) = holders
+    for v, work in wants.items():
+        if v != r and any(
+            tuple(y for y in w if y not in axes) != tuple(d) for d, w in zip(dims[v], work)
+        ):  # not only a slice over the summed axes
+            return None
+    whole = tuple(tuple(y for y in d if y not in axes) for d in dims[x])
+    out = tuple(wants.get(r, dims[r]))
+    if per_device_bytes(graph.shapes[x], graph.dtypes[x], whole, axis_sizes) > per_device_bytes(
+        graph.shapes[r], graph.dtypes[r], out, axis_sizes
+    ):
+        return None
+    moves: list[Move] = [(x, tuple(dims[x]), whole, frozenset())]
+    if r in wants:
+        moves.append((r, out, tuple(dims[r]), frozenset()))
+    return moves
 
 
 def _slices(outer: Sequence[DimSharding], inner: Sequence[DimSharding]) -> bool:

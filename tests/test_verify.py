@@ -192,6 +192,26 @@ def test_a_planned_reduce_scatter_verifies(mesh):
     assert result.ok, result.surprises
 
 
+@pytest.mark.parametrize(
+    "k, n, collective",
+    [(256, 256, "all-gather"), (256, 1024, "all-gather"), (384, 256, "all-reduce"),
+     (1024, 256, "all-reduce")],
+)  # fmt: skip
+def test_an_operand_split_alone_on_the_contracted_dim_is_gathered_when_no_larger(
+    mesh, k, n, collective
+):
+    # the weight is whole on k: XLA either slices it and all-reduces the product, or
+    # all-gathers x and contracts whole, whichever moves fewer bytes (x's k against the
+    # product's n); the plan predicts the same one
+    x = jax.ShapeDtypeStruct((64, k), jnp.float32)
+    w = jax.ShapeDtypeStruct((k, n), jnp.float32)
+    hints = {"x": P("data", "model"), "w": P(None, None), "out": P("data", None)}
+    plan = jaxshard.make_plan(lambda x, w: x @ w, (x, w), {}, mesh, hints)
+    assert [r.collectives for r in plan.reshards] == [(f"{collective} over model",)]
+    result = plan.verify()
+    assert result.ok, result.surprises
+
+
 def test_axes_of_size_one_predict_no_collective():
     # found by fuzzing verify: XLA emits nothing over a size-1 mesh axis
     from jaxshard.cost import reshard_collectives
