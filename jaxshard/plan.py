@@ -340,11 +340,12 @@ class Plan:
         gathered from its storage layout), alive from the use that moves it to the last
         later contraction in the same XLA computation that reads the same copy (XLA
         merges those collectives, `_move_operand`), and the working buffers of results
-        computed in a larger layout (a gradient summed whole, then reduce-scattered)
-        or gathered to one (an optimizer update gathered to its parameter's layout,
-        `_gathered_together`); as ``(first, last, bytes per device)`` in the times of ``live``'s schedule (XLA
-        gathers a parameter before the loops when nothing else holds the gather back);
-        ``reduced``: `_reduction_times` in those times, when known.
+        computed in a larger layout (a gradient summed whole, then reduce-scattered) or
+        gathered to one (an optimizer update gathered to its parameter's layout,
+        `_gathered_together`); as ``(first, last, bytes per device)`` in the times of
+        ``live``'s schedule (XLA gathers a parameter before the loops when nothing else
+        holds the gather back); ``reduced``: `_reduction_times` in those times, when
+        known.
 
         Example:
             >>> plan.moved_copies()  # doctest: +SKIP
