@@ -30,9 +30,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxshard.cost import liveness, memory_estimate
-from jaxshard.plan import dead_apps, mesh_axis_sizes
-from jaxshard.search.memory import fused_liveness
+from jaxshard.plan import mesh_axis_sizes
 from jaxshard.trace import arg_names
 
 if TYPE_CHECKING:
@@ -247,9 +245,6 @@ def reference_hints(w: Workload, layout: Layout, mesh) -> dict[str, P]:
 
 
 def estimated_memory(plan) -> float:
-    """A plan's per-device memory as the search counts it (`jaxshard.cost.memory_estimate`
-    over the buffers XLA's fusion leaves, `jaxshard.search.memory.fused_liveness`): the
-    unit of ``memory_budget``."""
-    g = plan.graph
-    live = fused_liveness(g, liveness(g, dead_apps(g)))
-    return memory_estimate(g, plan.dims, plan.axis_sizes, plan.out_dims, live).total
+    """A plan's estimated memory per device (`jaxshard.Plan.estimated_memory`): the
+    figure the search holds within ``memory_budget``."""
+    return plan.estimated_memory.total
