@@ -784,8 +784,13 @@ class Propagator:
         for f in reductions:
             if values.get(f):
                 return False
-        used = [ax for axes in values.values() for ax in axes]
-        return len(used) == len(set(used))
+        used: set[str] = set()
+        for axes in values.values():
+            for ax in axes:  # a loop, not a list: this runs for every equation
+                if ax in used:
+                    return False
+                used.add(ax)
+        return True
 
     def working(self, a: int) -> tuple[list[tuple[int, int, DimSharding]], frozenset[str]]:
         """For a finished propagation: each (value, dim, layout application ``a`` works
