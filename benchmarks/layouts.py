@@ -242,9 +242,3 @@ def reference_hints(w: Workload, layout: Layout, mesh) -> dict[str, P]:
     )
     names = [n for n in arg_names(w.step, w.args, {})[0] if n.startswith("params/")]
     return {**BATCH, **{re.escape(n): s for n, s in zip(names, specs, strict=True)}}
-
-
-def estimated_memory(plan) -> float:
-    """A plan's estimated memory per device (`jaxshard.Plan.estimated_memory`): the
-    figure the search holds within ``memory_budget``."""
-    return plan.estimated_memory.total

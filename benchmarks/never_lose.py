@@ -34,7 +34,7 @@ from jaxshard.baseline import CompiledCost, compiled_cost, shardy_alone
 
 from . import layouts, quality
 from .environment import environment, load_now
-from .layouts import BATCH, estimated_memory, reference_hints
+from .layouts import BATCH, reference_hints
 from .workloads import Workload, meshes, models, quality_workloads
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -86,7 +86,7 @@ def run(quick: bool = False, log=print) -> list[Point]:
         for label, layout in hand:
             points.append(Point(w.name, label, "hand", _hand(w, mesh, layout)))
         megatron = reference_hints(w, layouts.megatron(w.model), mesh)
-        budget = estimated_memory(jaxshard.make_plan(w.step, w.args, {}, mesh, megatron))
+        budget = jaxshard.make_plan(w.step, w.args, {}, mesh, megatron).estimated_memory.total
         t0 = time.perf_counter()
         step = jaxshard.auto_shard(mesh, BATCH, search=True, memory_budget=budget)(w.step)
         step.plan(*w.args)

@@ -41,7 +41,7 @@ from jaxshard.plan import mesh_axis_sizes
 
 from . import layouts
 from .hlo import collective_stats
-from .layouts import estimated_memory, reference_hints
+from .layouts import reference_hints
 from .workloads import SPEED_HINTS, Workload, meshes, quality_hints, quality_workloads
 
 
@@ -95,7 +95,7 @@ def _search(w: Workload, mesh, hints) -> Built:
     """``auto_shard(search=True)`` with ``hints`` (the batch) within the Megatron
     layout's estimated memory, compiled."""
     megatron = reference_hints(w, layouts.megatron(w.model), mesh)
-    budget = estimated_memory(jaxshard.make_plan(w.step, w.args, {}, mesh, megatron))
+    budget = jaxshard.make_plan(w.step, w.args, {}, mesh, megatron).estimated_memory.total
     step = jaxshard.auto_shard(mesh, hints, search=True, memory_budget=budget)(w.step)
     compiled = step.lower(*w.args).compile()
     result = step.search_result

@@ -29,7 +29,7 @@ Every model is an AdamW train step (`benchmarks.workloads`) with abstract argume
 the 2x4 (data, model) mesh, with only the batch hinted (``batch/.*: P('data')``). Rows:
 
 - *search, budget = Megatron*: `jaxshard.search.search_hints` with ``memory_budget`` set
-  to the Megatron layout's estimated per-device memory (`estimated_memory` of its plan,
+  to the Megatron layout's estimated per-device memory (`Plan.estimated_memory` of its plan,
   the search's own measure): the least communication within what Megatron needs;
 - *search, no budget*: the least communication, whatever the memory;
 - *search, budget = 0.85 x Megatron*: a layout that fits, or the error naming the
@@ -79,7 +79,7 @@ from jaxshard.verify import compiled_collectives  # noqa: E402
 
 from . import layouts  # noqa: E402
 from .hlo import collective_stats  # noqa: E402
-from .layouts import BATCH, estimated_memory, reference_hints  # noqa: E402, F401
+from .layouts import BATCH, reference_hints  # noqa: E402, F401
 from .quality import expert_layout  # noqa: E402
 from .workloads import Workload, count_equations, meshes, models, workload  # noqa: E402
 
@@ -155,7 +155,7 @@ def reference_row(label, w, mesh, layout, compile_it) -> tuple[Row, float]:
     t0 = time.perf_counter()
     plan = jaxshard.make_plan(w.step, w.args, {}, mesh, hints)
     row = Row(label, plan_s=time.perf_counter() - t0, predicted=step_bytes(plan))
-    row.estimated_memory = estimated_memory(plan)
+    row.estimated_memory = plan.estimated_memory.total
     if compile_it:
         measure_compiled(row, w, jaxshard.auto_shard(mesh, hints)(w.step))
     return row, row.estimated_memory

@@ -1009,11 +1009,13 @@ def liveness(
 
 
 def bitcasts(graph, dims: Sequence[Sequence[DimSharding]], axis_sizes, moved: set[int]) -> set[int]:
-    """The reshapes XLA runs as bitcasts under a layout: those whose operand and result
-    hold the same bytes on each device and that move nothing (``moved``: applications
-    that reshard an operand or result). Each device's shard of a reshape is the reshape
-    of its operand's shard when no axis moves (a stack of 32 layers split 8 ways is 8
-    stacks of 4 layers, each device's 4 layers where they were).
+    """The equations XLA runs as bitcasts under a layout: read from the rule, one array
+    regrouped into other dims with its elements in the same order (a reshape, a squeeze:
+    one operand and one result of other shapes holding the same factors in the same
+    order, nothing summed, one dtype), that hold the same bytes on each device and move
+    nothing (``moved``: applications that reshard an operand or result). Each device's
+    shard is then the regrouped shard of its operand (a stack of 32 layers split 8 ways
+    is 8 stacks of 4 layers, each device's 4 layers where they were).
 
     Example:
         >>> import jax.numpy as jnp, jaxshard.rules
@@ -1026,21 +1028,26 @@ def bitcasts(graph, dims: Sequence[Sequence[DimSharding]], axis_sizes, moved: se
     """
     out = set()
     for a, app in enumerate(graph.apps):
+        rule = app.rule
         if (
-            app.kind is AppKind.EQN
-            and app.eqn is not None
-            and app.eqn.primitive.name in _BITCASTS
-            and a not in moved
+            app.kind is not AppKind.EQN
+            or a in moved
+            or len(rule.operands) != 1
+            or len(rule.results) != 1
+            or any(f.kind is FactorKind.REDUCTION for f in rule.factors)
         ):
-            (o, *_), (r,) = app.operands, app.results
-            if graph.dtypes[o] == graph.dtypes[r] and per_device_bytes(
-                graph.shapes[o], graph.dtypes[o], dims[o], axis_sizes
-            ) == per_device_bytes(graph.shapes[r], graph.dtypes[r], dims[r], axis_sizes):
-                out.add(a)
+            continue
+        (o,), (r,) = app.operands, app.results
+        if (
+            graph.shapes[o] != graph.shapes[r]
+            and graph.dtypes[o] == graph.dtypes[r]
+            and [f for d in rule.operands[0] for f in d] == [f for d in rule.results[0] for f in d]
+            and per_device_bytes(graph.shapes[o], graph.dtypes[o], dims[o], axis_sizes)
+            == per_device_bytes(graph.shapes[r], graph.dtypes[r], dims[r], axis_sizes)
+        ):
+            out.add(a)
     return out
 
-
-_BITCASTS = frozenset({"reshape", "squeeze"})  # equations XLA runs as a bitcast of a buffer
 
 # calls XLA inlines before its common-subexpression pass; every other enclosing equation
 # (a loop, a branch, a rematerialized region behind its optimization barrier, a manual

@@ -326,7 +326,8 @@ def auto_parallel(
         candidates += [c for c in pipelines if c.status != "not searched"]
         weigh_all([c for c in pipelines if c.status == "not searched"])
         # the best pipeline's batch axes split in two, as the meshes without a stage are
-        for b in sorted((c for c in pipelines if c.memory is not None), key=_rank)[:1]:
+        b = min((c for c in pipelines if c.memory is not None), key=_rank, default=None)
+        if b is not None:
             stages, data, t = (b.degrees.get(r, 1) for r in PIPELINE_ROLES)
             split = [Candidate(*_named((stages, d, f, t), PIPELINE_SPLIT_ROLES))
                      for d, f in _splits(data)]  # fmt: skip
