@@ -516,6 +516,77 @@ def make_batch_conv(key: jax.Array, cfg: ConvConfig, batch_size: int = 8) -> Bat
     return _image_batch(key, cfg.image, cfg.channels, cfg.n_classes, batch_size)
 
 
+# --- U-Net (segmentation of one large image: 3x3 convolutions, pooling, skips) ---
+
+
+@dataclasses.dataclass(frozen=True)
+class UNetConfig:
+    """U-Net sizes: ``widths`` per level (one 2x2 average pooling down per level after
+    the first, one nearest 2x upsampling back); ``image`` divisible by 2**(levels-1)."""
+
+    image: int = 64
+    channels: int = 3
+    widths: tuple[int, ...] = (8, 16, 32)
+    n_classes: int = 4
+
+
+def init_unet(key: jax.Array, cfg: UNetConfig) -> Params:
+    """Init a U-Net: two 3x3 convolutions per level down and up, a 1x1 head.
+
+    >>> init_unet(jax.random.key(0), UNetConfig())["up"][0]["conv1"].shape
+    (3, 3, 48, 16)
+    """
+    keys = iter(jax.random.split(key, 4 * len(cfg.widths) + 1))
+    down, c_in = [], cfg.channels
+    for w in cfg.widths:
+        down.append(
+            {"conv1": _conv_w(next(keys), 3, c_in, w), "conv2": _conv_w(next(keys), 3, w, w)}
+        )
+        c_in = w
+    up = []
+    for w, below in zip(cfg.widths[-2::-1], cfg.widths[:0:-1]):
+        up.append(
+            {"conv1": _conv_w(next(keys), 3, w + below, w), "conv2": _conv_w(next(keys), 3, w, w)}
+        )
+    return {"down": down, "up": up, "head": _conv_w(next(keys), 1, cfg.widths[0], cfg.n_classes)}
+
+
+def unet_loss(params: Params, batch: Batch, cfg: UNetConfig) -> jax.Array:
+    """Per-pixel segmentation cross-entropy of the U-Net.
+
+    >>> cfg, key = UNetConfig(image=16), jax.random.key(0)
+    >>> unet_loss(init_unet(key, cfg), make_batch_unet(key, cfg), cfg).shape
+    ()
+    """
+    x, skips = batch["image"], []
+    for i, p in enumerate(params["down"]):
+        if i:
+            x = jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") / 4
+        x = jax.nn.relu(_conv(jax.nn.relu(_conv(x, p["conv1"])), p["conv2"]))
+        skips.append(x)
+    for p, skip in zip(params["up"], skips[-2::-1]):
+        x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)  # nearest upsampling
+        x = jnp.concatenate([skip, x], axis=-1)
+        x = jax.nn.relu(_conv(jax.nn.relu(_conv(x, p["conv1"])), p["conv2"]))
+    logits = _conv(x, params["head"])
+    labels = jax.nn.one_hot(batch["mask"], logits.shape[-1])
+    return -jnp.mean(jnp.sum(labels * jax.nn.log_softmax(logits), axis=-1))
+
+
+def make_batch_unet(key: jax.Array, cfg: UNetConfig, batch_size: int = 1) -> Batch:
+    """Random images and masks ``{"image": (B, H, W, C) f32, "mask": (B, H, W) int32}``.
+
+    >>> make_batch_unet(jax.random.key(0), UNetConfig())["mask"].shape
+    (1, 64, 64)
+    """
+    k_image, k_mask = jax.random.split(key)
+    shape = (batch_size, cfg.image, cfg.image)
+    return {
+        "image": jax.random.normal(k_image, (*shape, cfg.channels), jnp.float32),
+        "mask": jax.random.randint(k_mask, shape, 0, cfg.n_classes, jnp.int32),
+    }
+
+
 # --- ViT (conv patch embedding, class token, pre-LN blocks) ---
 
 

@@ -14,6 +14,7 @@ catalogue's own test (`tests/test_rule_execution.py`) and `check_rule` share thi
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxshard.errors import ShardingError
 from jaxshard.kernels import sdy_rule, to_rule, with_rule
 from jaxshard.rule import FactorKind, Rule
-from jaxshard.verify import hlo_collectives
+from jaxshard.verify import compiled_collectives, hlo_collectives
 
 AXIS = "x"
 TESTED_KINDS = (FactorKind.PASS, FactorKind.REDUCTION)
@@ -163,7 +164,9 @@ def check_factor(
         raise RuleCheckError(f"{where}: {len(actual)} results, expected {len(expected)}")
     for i, (a, e) in enumerate(zip(actual, expected)):
         assert_same(a, e, f"{where}: result {i} differs from the unsharded run", rtol, atol)
-    if factor.kind is FactorKind.REDUCTION and factor.indexed:
+    if factor.window is not None:
+        _check_halo(compiled.as_text(), rule, f, args, mesh, where, tolerated)
+    elif factor.kind is FactorKind.REDUCTION and factor.indexed:
         # run alone on a shard, the lookup would read global indices as local ones: the
         # sharded run above checked the numbers; the claim left is that the partial
         # lookups are summed (an all-reduce), not the table gathered first
@@ -174,10 +177,10 @@ def check_factor(
                 f"lookups, but sharding it compiled to {sorted(moved)}; declare it "
                 "need-replication"
             )
-    elif factor.kind is FactorKind.REDUCTION:
+    elif factor.kind is FactorKind.REDUCTION:  # a window's shards alone miss their halos
         _check_combination(local or apply, rule, f, args, expected, in_shardings, mesh, where,
                            rtol, atol)  # fmt: skip
-    if factor.kind is FactorKind.PASS:
+    if factor.plain:
         text = compiled.as_text()
         collectives = hlo_collectives(text)
         if tolerated is not None:
@@ -190,6 +193,40 @@ def check_factor(
                 "; if the results need every shard, declare it a reduction or "
                 "need-replication factor"
             )
+
+
+def _check_halo(text, rule, f, args, mesh, where, tolerated) -> None:
+    """A windowed factor split in 2 must compile to the collective-permutes its window
+    predicts (`jaxshard.rule.Window.permutes`: the rows from each neighbour times the
+    read operand's cross-section), plus all-reduces for a reduction, and nothing else.
+    One whose shards would need more than a halo makes no claim past the numbers (the
+    engine works it whole)."""
+    window = rule.factors[f].window
+    rows = window.permutes(2)
+    if rows is None:
+        return
+    t = window.operand
+    dims = rule.operands[t]
+    dim = next(d for d, fl in enumerate(dims) if f in fl)
+    local = [n // (2 if leads(fl, f, rule) else 1) for n, fl in zip(np.shape(args[t]), dims)]
+    section = (
+        math.prod(n for d, n in enumerate(local) if d != dim) * np.dtype(args[t].dtype).itemsize
+    )
+    want = Counter(r * section for r in rows)
+    found = compiled_collectives(text, mesh)
+    have = Counter(c.bytes for c in found if c.kind == "collective-permute")
+    others = Counter(c.kind for c in found if c.kind != "collective-permute")
+    if tolerated is not None:
+        others -= tolerated(text)
+    if rule.factors[f].kind is FactorKind.REDUCTION:
+        others.pop("all-reduce", None)
+    if have != want or others:
+        raise RuleCheckError(
+            f"{where}: a windowed factor split in 2 must compile to collective-permutes of "
+            f"{sorted(want.elements())} bytes (its halo), but compiled to permutes of "
+            f"{sorted(have.elements())} bytes and {dict(others) or 'no other collectives'}; "
+            "fix the window's geometry, or declare the factor need-replication"
+        )
 
 
 def _check_combination(local, rule, f, args, expected, in_shardings, mesh, where, rtol, atol):

@@ -152,6 +152,29 @@ class PartialSum(frozenset):
         return PartialSum(tuple(a for a in g if keep(a)) for g in self.groups)
 
 
+def pending_sums(rule, values) -> PartialSum:
+    """The partial sums an equation leaves when its factors are split as ``values``
+    (factor -> mesh axes): one group per reduction factor, except that the windowed
+    reduction factors (a kernel gradient summed over the rows and the columns of an
+    image split both ways) are summed together, in one all-reduce over all their axes,
+    as XLA emits it.
+
+    Example:
+        >>> from jaxshard.rule import Factor, FactorKind, Rule, Window
+        >>> r, w = FactorKind.REDUCTION, Window(8, 8)
+        >>> rule = Rule((Factor("a", 8, r), Factor("b", 8, r, window=w),
+        ...              Factor("c", 8, r, window=w)), (), ())
+        >>> pending_sums(rule, {0: ("d",), 1: ("x",), 2: ("y",)}).groups
+        (('d',), ('x', 'y'))
+    """
+    factors = rule.factors
+    groups, windowed = [], []
+    for f, axes in sorted(values.items()):
+        if factors[f].kind is FactorKind.REDUCTION:
+            (windowed if factors[f].window is not None else groups).append(axes)
+    return PartialSum([*groups, tuple(a for axes in windowed for a in axes)])
+
+
 def partial_groups(partial: frozenset[str]) -> tuple[tuple[str, ...], ...]:
     """The all-reduce groups of pending ``partial`` sums: a `PartialSum`'s own, else one
     group of every axis.
@@ -181,6 +204,50 @@ class PlannedCollective(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.kind} over {','.join(self.axes)}"
+
+
+def halo_collectives(
+    rule, values, graph, vids, layouts, axis_sizes
+) -> list[tuple[int, PlannedCollective]]:
+    """The collective-permutes of an equation's halo exchanges (Shardy's permutation
+    factors, GSPMD's windowed ops): for each windowed factor of ``rule`` split over mesh
+    axes in ``values`` (factor -> axes), one per direction whose neighbour rows the
+    shards need (`jaxshard.rule.Window.permutes`), each sending those rows of the read
+    operand's cross-section in its working layout (``layouts``: value -> dims). Returns
+    ``(value, collective)`` pairs; ``vids`` are the equation's operands then results.
+
+    Example:
+        >>> # a 3x3 'SAME' convolution of x[1, 64, 64, 4] with its rows split 8 ways: one
+        >>> # row of 64 x 4 floats from each neighbour, 1 KiB each way
+        >>> halo_collectives(rule, {1: ("x",)}, graph, vids, layouts, {"x": 8})  # doctest: +SKIP
+        [(0, PlannedCollective(kind='collective-permute', axes=('x',), ring_bytes=1024.0)), ...]
+    """
+    out = []
+    grown: dict[int, list[int]] = {}  # per operand: its shard with the halos fetched so far
+    split = []
+    for f, factor in enumerate(rule.factors):
+        axes = tuple(a for a in values.get(f) or () if axis_sizes[a] > 1)
+        if factor.window is not None and axes:
+            t = factor.window.operand
+            dim = next(d for d, fl in enumerate(rule.operands[t]) if f in fl)
+            split.append((t, dim, factor.window, axes))
+    # XLA exchanges one dim's halos after another's, in dim order, each with the halo
+    # rows the earlier ones fetched: the corners travel with the later exchange
+    for t, dim, window, axes in sorted(split, key=lambda s: s[:2]):
+        rows = window.permutes(math.prod(axis_sizes[a] for a in axes))
+        if not rows:
+            continue
+        vid = vids[t]
+        local = grown.setdefault(
+            vid, list(per_device_shape(graph.shapes[vid], layouts[vid], axis_sizes))
+        )
+        section = math.prod(n for d, n in enumerate(local) if d != dim)
+        section *= itemsize(graph.dtypes[vid])
+        out += [(vid, PlannedCollective("collective-permute", axes, float(r * section)))
+                for r in rows]  # fmt: skip
+        if not window.reverse:
+            local[dim] += sum(rows)
+    return out
 
 
 def reshard_cost(
@@ -1034,7 +1101,7 @@ def bitcasts(graph, dims: Sequence[Sequence[DimSharding]], axis_sizes, moved: se
             or a in moved
             or len(rule.operands) != 1
             or len(rule.results) != 1
-            or any(f.kind is FactorKind.REDUCTION for f in rule.factors)
+            or any(f.kind is FactorKind.REDUCTION or f.window is not None for f in rule.factors)
         ):
             continue
         (o,), (r,) = app.operands, app.results
@@ -1180,7 +1247,7 @@ def fused_liveness(graph, live: Liveness, extend: bool = True) -> Liveness:
             shape = graph.shapes[app.results[0]] if app.results else None
             hit = elementwise[a] = (
                 app.kind is AppKind.EQN
-                and all(f.kind is FactorKind.PASS for f in app.rule.factors)
+                and all(f.plain for f in app.rule.factors)
                 and all(graph.shapes[u] in (shape, ()) for u in app.operands)
             )
         return hit

@@ -203,9 +203,7 @@ def elementwise_reach(
                 continue
             if app.kind is AppKind.LINK and not links:
                 continue
-            if app.kind is AppKind.EQN and any(
-                f.kind is not FactorKind.PASS for f in app.rule.factors
-            ):
+            if app.kind is AppKind.EQN and not all(f.plain for f in app.rule.factors):
                 continue
             for r in app.results:
                 if r not in seen and graph.shapes[r] == shape:

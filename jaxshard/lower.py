@@ -41,7 +41,7 @@ from jaxshard.jax_compat import (
 )
 from jaxshard.lattice import to_spec
 from jaxshard.plan import Plan, auto_view, gc_paused
-from jaxshard.rule import FactorKind, primitive, region_fn_for
+from jaxshard.rule import primitive, region_fn_for
 
 
 class Eraser:
@@ -202,7 +202,7 @@ def pinned_values(plan: Plan) -> set[int]:
     g = plan.graph
     pinned = set(g.pins)
     for app in g.apps:
-        if app.kind is AppKind.EQN and any(f.kind is not FactorKind.PASS for f in app.rule.factors):
+        if app.kind is AppKind.EQN and not all(f.plain for f in app.rule.factors):
             pinned.update(app.results)
     for r in plan.reshards:
         pinned.add(r.vid)

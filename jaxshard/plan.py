@@ -77,7 +77,8 @@ from jaxshard.trace import Traced, auto_view, trace_on_mesh  # noqa: F401 (auto_
 @dataclass(frozen=True)
 class Reshard:
     """A predicted reshard: at application ``app``, value ``vid`` moves ``src``->``dst``
-    (after summing pending ``partial`` reductions) by the collectives ``steps``, sending
+    (after summing pending ``partial`` reductions) by the collectives ``steps`` (a halo
+    exchange keeps the layout: ``src == dst``, one collective-permute), sending
     ``ring_bytes`` per device (ring volume) each time
     the equation runs: ``runs`` times per call (the lengths of the scans around it). In a
     while loop (``in_while``) the trip count is not known when planning, and ``runs``
@@ -223,6 +224,12 @@ class Plan:
                     if axes:
                         self.partial[vid] = axes
                     self._add_reshard(a, vid, src, dst, partial)
+            for vid, step in prop.halos(a):
+                layout = tuple(self.dims[vid])
+                self.reshards.append(
+                    Reshard(a, vid, layout, layout, frozenset(), step.ring_bytes, (step,),
+                            g.apps[a].describe(), self._runs[a], self._in_while[a])
+                )  # fmt: skip
 
     def _move_operand(self, a: int, vid: int, dst: tuple[DimSharding, ...]) -> None:
         """Operand ``vid`` of application ``a`` moves to ``dst``. The lowered program
@@ -1057,7 +1064,7 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
             if a is None or xla_scope(graph.apps[a].where):
                 continue  # made inside a loop or a branch: left as propagated
             app = graph.apps[a]
-            if not all(f.kind is FactorKind.PASS for f in app.rule.factors):
+            if not all(f.plain for f in app.rule.factors):
                 continue  # the gradient: sliced where the update reads it
             _store(dims[v], origins[v], layout, f"{pin.source}, its update")
             work.extend(zip(app.operands, _operand_layouts(app, v, layout)))
@@ -1272,17 +1279,18 @@ def _app_cost(prop: Propagator, a: int, runs: int, reduce_scatter: bool) -> tupl
         return 0.0, 0.0
     total = gathered = 0.0
     g, sizes = prop.graph, prop.axis_sizes
+    steps = [step for _, step in prop.halos(a)]
     for vid, src, dst, partial in app_moves(prop, sizes, a)[0]:
-        steps = reshard_collectives(
+        steps += reshard_collectives(
             g.shapes[vid], g.dtypes[vid], src, dst, sizes, partial, reduce_scatter
         )
-        for step in steps:
-            if prop.cost_model is None:
-                total += step.ring_bytes * runs
-            else:
-                total += prop.cost_model.collective_time(step.axes, step.ring_bytes) * runs
-            if step.kind in ("all-gather", "all-to-all"):
-                gathered += step.ring_bytes * runs
+    for step in steps:
+        if prop.cost_model is None:
+            total += step.ring_bytes * runs
+        else:
+            total += prop.cost_model.collective_time(step.axes, step.ring_bytes) * runs
+        if step.kind in ("all-gather", "all-to-all"):
+            gathered += step.ring_bytes * runs
     return total, gathered
 
 

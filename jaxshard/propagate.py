@@ -18,6 +18,7 @@ policy, and the factors that lose keep their other axes.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -27,7 +28,14 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from jaxshard.annotate import Pin
-from jaxshard.cost import CostModel, PartialSum, reshard_collectives, xla_scope
+from jaxshard.cost import (
+    CostModel,
+    PlannedCollective,
+    halo_collectives,
+    pending_sums,
+    reshard_collectives,
+    xla_scope,
+)
 from jaxshard.errors import JaxshardBug
 from jaxshard.graph import AppKind, Graph, contracts
 from jaxshard.lattice import Axes, DimSharding, format_dim, join_axes, split_axes
@@ -106,7 +114,7 @@ class State:
 def _compile(rule) -> tuple:
     """Index a rule for the hot path: (single-factor dims, compound dims, all dims, and
     for `Propagator.settled` the reduction factors, or None when the rule has compound
-    dims or need-replication factors), each entry naming the tensor by its position
+    dims, need-replication or windowed factors), each entry naming the tensor by its position
     among operands then results."""
     sizes = [f.size for f in rule.factors]
     need = [f.kind is NEED for f in rule.factors]
@@ -117,13 +125,14 @@ def _compile(rule) -> tuple:
                 continue
             fsizes = tuple(sizes[f] for f in fl)
             writable.append((t, d, fl, fsizes))
-            if len(fl) == 1:
+            if len(fl) == 1 and rule.factors[fl[0]].window is None:
                 if not need[fl[0]]:
                     single.append((t, d, fl[0]))
-            else:
+            else:  # a windowed dim too: its size may be a multiple of the factor's
                 compound.append((t, d, fl, fsizes, tuple(need[f] for f in fl)))
     reductions = None
-    if not compound and not any(need):
+    windowed = any(f.window is not None for f in rule.factors)
+    if not compound and not any(need) and not windowed:
         reductions = tuple(i for i, f in enumerate(rule.factors) if f.kind is FactorKind.REDUCTION)
     return tuple(single), tuple(compound), tuple(writable), reductions
 
@@ -339,9 +348,7 @@ class Propagator:
             while v not in self.hinted and v in producer and v not in seen:
                 seen.add(v)
                 src = apps[producer[v]]
-                if len(src.operands) != 1 or not all(
-                    f.kind is FactorKind.PASS for f in src.rule.factors
-                ):
+                if len(src.operands) != 1 or not all(f.plain for f in src.rule.factors):
                     break
                 v = src.operands[0]
             if v in self.hinted:
@@ -637,11 +644,23 @@ class Propagator:
         """The cost (`_price`) to work at application ``a`` with factor shardings
         ``values``: operands move from their layout to the working one, results from
         the working one (a partial sum over the reduction factors' axes) to theirs. Open
-        dims cost nothing."""
+        dims cost nothing. A windowed factor split adds its halo exchange, or, where its
+        shards would need more than a halo, is worked whole."""
         g, dims = self.graph, self.state.dims
-        factors = g.apps[a].rule.factors
+        rule = g.apps[a].rule
         vids = self._vids[a]
         n_operands = len(g.apps[a].operands)
+        halo = 0.0
+        if self._struct[a][3] is None and any(f.window is not None for f in rule.factors):
+            values = dict(values)
+            for f, factor in enumerate(rule.factors):
+                if factor.window is not None and values.get(f):
+                    n = math.prod(self.axis_sizes[x] for x in values[f])
+                    if factor.window.permutes(n) is None:
+                        values[f] = ()
+            layouts = {v: dims[v] for v in vids}
+            for _, step in halo_collectives(rule, values, g, vids, layouts, self.axis_sizes):
+                halo += self._step_price(step)
         work: dict[int, list[DimSharding]] = {}
         for t, d, fl, sizes in self._struct[a][2]:
             have = dims[vids[t]][d]
@@ -653,10 +672,8 @@ class Propagator:
                 want, _ = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
             if want is not None and want != have:
                 work.setdefault(t, list(dims[vids[t]]))[d] = want
-        partial = PartialSum(
-            axes for f, axes in sorted(values.items()) if factors[f].kind is FactorKind.REDUCTION
-        )
-        total = 0.0
+        partial = pending_sums(rule, values)
+        total = halo
         for t, vid in enumerate(vids):
             have = dims[vid]
             want = work.get(t, have)
@@ -740,9 +757,12 @@ class Propagator:
         seconds under the cost model."""
         shape, dtype, sizes = self.graph.shapes[vid], self.graph.dtypes[vid], self.axis_sizes
         steps = reshard_collectives(shape, dtype, src, dst, sizes, partial)
+        return sum(self._step_price(s) for s in steps) + 0.0
+
+    def _step_price(self, step: PlannedCollective) -> float:
         if self.cost_model is None:
-            return sum(s.ring_bytes for s in steps) + 0.0
-        return sum(self.cost_model.collective_time(s.axes, s.ring_bytes) for s in steps)
+            return step.ring_bytes
+        return self.cost_model.collective_time(step.axes, step.ring_bytes)
 
     def _shown(self, cost: float) -> str:
         return f"{cost:.0f} B" if self.cost_model is None else f"{cost * 1e6:.2f} µs"
@@ -799,11 +819,7 @@ class Propagator:
         Need-replication factors are worked in replicated; a factor some dim cannot
         express (a sharded minor factor of a compound dim) is worked in replicated too.
         """
-        values, _ = self.factor_values(a)
-        factors = self.graph.apps[a].rule.factors
-        for f, factor in enumerate(factors):
-            if factor.kind is NEED:
-                values[f] = ()
+        values = self.working_factors(a)
         writable = self._struct[a][2]
         changed = bool(self._struct[a][1])
         while changed:  # a drop in one compound dim can make another one inexact
@@ -821,14 +837,38 @@ class Propagator:
             else:
                 want, _ = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
             out.append((vids[t], d, want))
-        partial = PartialSum(
-            axes for f, axes in sorted(values.items()) if factors[f].kind is FactorKind.REDUCTION
-        )
-        return out, partial
+        return out, pending_sums(self.graph.apps[a].rule, values)
+
+    def working_factors(self, a: int) -> dict[int, Axes]:
+        """Each factor's sharding where application ``a`` works: need-replication
+        factors whole, and windowed factors whole where their shards would need more
+        than a halo from their neighbours (`jaxshard.rule.Window.permutes`)."""
+        values, _ = self.factor_values(a)
+        for f, factor in enumerate(self.graph.apps[a].rule.factors):
+            if factor.kind is NEED:
+                values[f] = ()
+            elif factor.window is not None and values.get(f):
+                n = math.prod(self.axis_sizes[x] for x in values[f])
+                if factor.window.permutes(n) is None:
+                    values[f] = ()
+        return values
+
+    def halos(self, a: int) -> list[tuple[int, PlannedCollective]]:
+        """The halo exchanges of application ``a`` of a finished propagation: per
+        windowed factor it works split, one collective-permute per direction of the
+        operand read through the window (``(value, collective)``), sending that many
+        rows of the operand's cross-section in its working layout."""
+        rule = self.graph.apps[a].rule
+        if not any(f.window is not None for f in rule.factors):
+            return []
+        values = self.working_factors(a)
+        layouts = {vid: list(self.state.dims[vid]) for vid in self._vids[a]}
+        for vid, d, want in self.working(a)[0]:
+            if want is not None:
+                layouts[vid][d] = want
+        return halo_collectives(rule, values, self.graph, self._vids[a], layouts, self.axis_sizes)
 
     def _drop_unexpressible(self, values: dict[int, Axes], fl, sizes) -> bool:
-        import math
-
         for i, f in enumerate(fl):
             axes = values.get(f)
             if axes is None or math.prod(self.axis_sizes[x] for x in axes) != sizes[i]:

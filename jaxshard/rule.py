@@ -13,6 +13,7 @@ primitive.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,9 +42,15 @@ class Factor:
     by shifting and masking the indices, so the operation run on a device's shard alone
     is not its partial result.
 
+    A ``window`` factor is a spatial dim read through a window (a convolution's rows, a
+    pooling window, a pad or a reverse): it can be sharded, and each shard then fetches
+    the window's overlap from its neighbours (a halo exchange, see `Window`). Its dims
+    may differ in size (a strided convolution halves the rows); the factor's size is
+    their greatest common divisor, so any axes dividing it divide every dim.
+
     Example:
         >>> Factor("k", 64, FactorKind.REDUCTION)
-        Factor(name='k', size=64, kind=<FactorKind.REDUCTION: 'reduction'>, combine='sum', indexed=False)
+        Factor(name='k', size=64, kind=<FactorKind.REDUCTION: 'reduction'>, combine='sum', indexed=False, window=None)
     """
 
     name: str
@@ -51,6 +58,84 @@ class Factor:
     kind: FactorKind = FactorKind.PASS
     combine: str = "sum"
     indexed: bool = False
+    window: Window | None = None
+
+    @property
+    def plain(self) -> bool:
+        """A pass-through factor whose shards need nothing from each other."""
+        return self.kind is FactorKind.PASS and self.window is None
+
+
+@dataclass(frozen=True)
+class Window:
+    """How one dim of operand ``operand`` (``size`` long) is read to make a dim ``out``
+    long, for a factor sharded evenly over both (Shardy's permutation factors). Output
+    position ``o`` reads the operand, dilated by ``base_dilation``, at ``o * stride -
+    low + j * dilation`` for ``j < extent`` (positions outside it are padding). A pad is
+    a window of extent 1 (``low`` its low padding, negative to crop), a strided
+    convolution's rows a window of the kernel's height. With ``reverse`` the dim is
+    read back to front (`lax.rev`): each shard's rows live on the mirror device.
+
+    Example:
+        >>> Window(size=64, out=64, extent=3, low=1).halo(8)  # a 3x3 'SAME' convolution
+        (1, 1)
+        >>> Window(size=64, out=32, extent=2, stride=2).halo(8)  # 2x2 pooling, aligned
+        (0, 0)
+        >>> Window(size=64, out=64, reverse=True).permutes(8)  # each shard to its mirror
+        (8,)
+    """
+
+    size: int
+    out: int
+    extent: int = 1
+    stride: int = 1
+    low: int = 0
+    dilation: int = 1
+    base_dilation: int = 1
+    reverse: bool = False
+    operand: int = 0
+
+    def halo(self, n: int) -> tuple[int, int] | None:
+        """Rows (of the operand) each of ``n`` equal shards needs from the shard before
+        it and from the shard after it, at most: ``(0, 0)`` when the shards are
+        independent, None when a shard needs rows beyond its neighbours or the dims do
+        not split evenly (XLA's partitioner then gathers the dim)."""
+        return _halo(self, n)
+
+    def permutes(self, n: int) -> tuple[int, ...] | None:
+        """The rows each collective-permute of a halo exchange over ``n`` shards sends,
+        one per direction that needs any (empty: no communication); None where the dim
+        cannot stay split (see `halo`)."""
+        if n <= 1:
+            return ()
+        if self.reverse:
+            mirrored = self.size % n == 0 and self.out == self.size and self.extent == 1
+            return (self.size // n,) if mirrored else None
+        halo = self.halo(n)
+        return None if halo is None else tuple(h for h in halo if h > 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _halo(w: Window, n: int) -> tuple[int, int] | None:
+    if n <= 1:
+        return (0, 0)
+    if w.size % n or w.out % n or w.reverse:
+        return None
+    shard, out_shard = w.size // n, w.out // n
+    dilated = (w.size - 1) * w.base_dilation + 1
+    before = after = 0
+    for s in range(n):
+        first = max(s * out_shard * w.stride - w.low, 0)
+        last = min(((s + 1) * out_shard - 1) * w.stride - w.low + (w.extent - 1) * w.dilation,
+                   dilated - 1)  # fmt: skip
+        first_row, last_row = -(-first // w.base_dilation), last // w.base_dilation
+        if first_row > last_row:
+            continue  # the shard reads padding only
+        before = max(before, s * shard - first_row)
+        after = max(after, last_row - ((s + 1) * shard - 1))
+    if before > shard or after > shard:
+        return None
+    return (before, after)
 
 
 Dims = tuple[tuple[int, ...], ...]  # per dim: factor indices, major to minor
@@ -88,6 +173,9 @@ class Rule:
             ]
             if names:
                 text += f" {kind.value}={{{', '.join(names)}}}"
+        windowed = [f.name for f in self.factors if f.window is not None]
+        if windowed:
+            text += f" window={{{', '.join(windowed)}}}"
         return text + " {" + ", ".join(f"{f.name}={f.size}" for f in self.factors) + "}"
 
     def check(
@@ -108,12 +196,21 @@ class Rule:
                     f"{what}: rule {self} has {len(dims_list)} {label}s, equation has {len(shapes)}"
                 )
             for i, (dims, shape) in enumerate(zip(dims_list, shapes)):
-                sizes = tuple(math.prod(self.factors[f].size for f in d) for d in dims)
+                sizes = tuple(_dim_size(self.factors, d, n) for d, n in zip(dims, shape))
                 if sizes != tuple(shape):
                     raise JaxshardBug(
                         f"{what}: rule {self} gives {label} {i} shape {sizes}, "
                         f"equation has {tuple(shape)}"
                     )
+
+
+def _dim_size(factors: Sequence[Factor], dim: tuple[int, ...], actual: int) -> int:
+    """A dim's size by its factors; a dim of one windowed factor may be either of the
+    window's sizes."""
+    if len(dim) == 1 and factors[dim[0]].window is not None:
+        w = factors[dim[0]].window
+        return actual if actual in (w.size, w.out) else -1
+    return math.prod(factors[f].size for f in dim)
 
 
 class RuleBuilder:
@@ -141,10 +238,16 @@ class RuleBuilder:
         name: str | None = None,
         combine: str = "sum",
         indexed: bool = False,
+        window: Window | None = None,
     ) -> int:
-        """Add a factor living in the given dims (appended as their minor-most factor)."""
+        """Add a factor living in the given dims (appended as their minor-most factor).
+        A windowed factor's size is the greatest common divisor of the window's sizes."""
         index = len(self._factors)
-        self._factors.append(Factor(name or _factor_name(index), size, kind, combine, indexed))
+        if window is not None:
+            size = math.gcd(window.size, window.out)
+        self._factors.append(
+            Factor(name or _factor_name(index), size, kind, combine, indexed, window)
+        )
         for operand, dim in operand_dims.items():
             self._operands[operand][dim].append(index)
         for result, dim in result_dims.items():

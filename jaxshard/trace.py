@@ -11,7 +11,9 @@ starting with the parameter's name from the function's signature: ``params/l0/w1
 `with_sharding_constraint`), and when that fails on a mesh with Explicit axes, traces
 again on the mesh itself, as `jax.jit` would: code in explicit-sharding style
 (``out_sharding=`` with axis names, `jax.sharding.reshard`) then traces, and its
-annotations are left in the jaxpr for the graph to read as pins.
+annotations are left in the jaxpr for the graph to read as pins. The jaxpr is then
+rewritten where one equation computes what two do and stays sharded where they could not
+(`jaxshard.rewrite`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from jaxshard.errors import ShardingError
 from jaxshard.jax_compat import mesh_context
+from jaxshard.rewrite import rewrite_closed
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,7 @@ def trace(
 
     _name_for_jax(flat_fn, fn, names)
     jaxpr, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
+    jaxpr = rewrite_closed(jaxpr)  # equivalent equations that stay sharded
     out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     out_names = tuple(path_name("out", path) for path, _ in out_leaves)
     return Traced(jaxpr, tuple(names), out_names, in_tree, out_tree, avals)

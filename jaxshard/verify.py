@@ -132,10 +132,12 @@ def predicted_collectives(plan) -> list[Collective]:
     for r in plan.reshards:
         total = nbytes(g.shapes[r.vid], g.dtypes[r.vid])
         before, after = total // shards(r.src, sizes), total // shards(r.dst, sizes)
-        for kind, names, _ in r.steps:
+        for kind, names, ring in r.steps:
             axes = frozenset(names)
             # as compiled_collectives counts them: the result of a gather or scatter
             local = after if kind in ("all-gather", "reduce-scatter") else before
+            if kind == "collective-permute":  # a halo: the rows it sends
+                local = int(ring)
             group = math.prod(sizes[a] for a in axes)
             out.append(Collective(kind, axes, local, group, None if r.in_while else r.runs))
     for c in plan.written:

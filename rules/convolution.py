@@ -3,10 +3,16 @@
 The batch dim passes through from the lhs to the result, the kernel's output-feature
 dim passes through to the result's feature dim, and the input feature dim, contracted
 with the kernel's input-feature dim, is a reduction factor (a sharded input-feature dim
-leaves partial sums), as for a matmul. Spatial dims are need-replication, with separate
-factors for the lhs, the kernel window and the result: a spatial shard would need a halo
-exchange with its neighbours. The exception is a pointwise dim (a 1-wide window with no
-stride, padding or dilation), which passes through from the lhs to the result.
+leaves partial sums), as for a matmul. A spatial dim is a windowed factor
+(`jaxshard.rule.Window`): split, each device convolves its own rows after fetching its
+neighbours' overlap of the kernel window (a halo, by collective-permutes). Where the
+kernel window is no larger than the result (a forward convolution, the input gradient)
+the factor links the lhs rows to the result rows and the kernel rows are their own
+need-replication factor; where the window is larger (the kernel gradient, whose "kernel"
+is the output gradient) it links the lhs rows to the window rows as a reduction, each
+device summing its rows' contributions, and the result's (kernel-sized) rows are
+need-replication. A pointwise dim (a 1-wide window with no stride, padding or dilation)
+simply passes through.
 
 With ``feature_group_count`` G > 1 the feature dims split group-major: the lhs feature
 dim is ``[g, ci]``, the kernel's output-feature dim and the result's feature dim are
@@ -23,7 +29,7 @@ from __future__ import annotations
 from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 
-from jaxshard.rule import FactorKind, Rule, RuleBuilder, register_rule, shapes_of
+from jaxshard.rule import FactorKind, Rule, RuleBuilder, Window, register_rule, shapes_of
 
 NEED = FactorKind.NEED_REPLICATION
 PASS = FactorKind.PASS
@@ -31,7 +37,7 @@ PASS = FactorKind.PASS
 
 @register_rule(p.conv_general_dilated_p)
 def conv_rule(eqn: JaxprEqn) -> Rule:
-    """Batch and output features pass, input features reduce, spatial dims replicate.
+    """Batch and output features pass, input features reduce, spatial dims are windowed.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -39,8 +45,8 @@ def conv_rule(eqn: JaxprEqn) -> Rule:
         ...     x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
         >>> eqn = jax.make_jaxpr(f)(jnp.ones((2, 8, 8, 4)), jnp.ones((3, 3, 4, 6))).eqns[0]
         >>> print(conv_rule(eqn))
-        ([a, c, f, i], [d, g, i, b])->([a, e, h, b]) reduction={i}
-        need_replication={c, d, e, f, g, h} {a=2, b=6, c=8, d=3, e=8, f=8, g=3, h=8, i=4}
+        ([a, c, e, g], [d, f, g, b])->([a, c, e, b]) reduction={g} need_replication={d, f}
+        window={c, e} {a=2, b=6, c=8, d=3, e=8, f=3, g=4}
     """
     params = eqn.params
     dn = params["dimension_numbers"]
@@ -65,11 +71,15 @@ def conv_rule(eqn: JaxprEqn) -> Rule:
     else:
         b.add_factor({1: ro}, {0: of}, rhs[ro], PASS if batch_groups == 1 else NEED)
     strides, padding = params["window_strides"], params["padding"]
-    lhs_dilation = params["lhs_dilation"]
+    lhs_dilation, rhs_dilation = params["lhs_dilation"], params["rhs_dilation"]
     for i, (ld, rd, od) in enumerate(zip(ls, rs, os)):
+        if grouped_gathers:
+            b.add_factor({0: ld}, {}, lhs[ld], NEED)
+            b.add_factor({1: rd}, {}, rhs[rd], NEED)
+            b.add_factor({}, {0: od}, out[od], NEED)
+            continue
         pointwise = (
-            not grouped_gathers
-            and rhs[rd] == 1
+            rhs[rd] == 1
             and strides[i] == 1
             and tuple(padding[i]) == (0, 0)
             and lhs_dilation[i] == 1
@@ -77,10 +87,16 @@ def conv_rule(eqn: JaxprEqn) -> Rule:
         )
         if pointwise:
             b.add_factor({0: ld}, {0: od}, lhs[ld])
-            continue
-        b.add_factor({0: ld}, {}, lhs[ld], NEED)
-        b.add_factor({1: rd}, {}, rhs[rd], NEED)
-        b.add_factor({}, {0: od}, out[od], NEED)
+        elif rhs[rd] <= out[od]:  # out[o] reads lhs[o * stride - low + j * rhs_dilation]
+            window = Window(lhs[ld], out[od], rhs[rd], strides[i], padding[i][0],
+                            rhs_dilation[i], lhs_dilation[i])  # fmt: skip
+            b.add_factor({0: ld}, {0: od}, window=window)
+            b.add_factor({1: rd}, {}, rhs[rd], NEED)
+        else:  # summed over window rows q, each reading lhs[q * rhs_dilation - low + o * stride]
+            window = Window(lhs[ld], rhs[rd], out[od], rhs_dilation[i], padding[i][0],
+                            strides[i], lhs_dilation[i])  # fmt: skip
+            b.add_factor({0: ld, 1: rd}, {}, kind=FactorKind.REDUCTION, window=window)
+            b.add_factor({}, {0: od}, out[od], NEED)
     if groups == 1:
         b.add_factor({0: lf, 1: ri}, {}, in_group, FactorKind.REDUCTION)
     elif grouped_gathers:

@@ -2,18 +2,30 @@
 
 `reshape` is a factorization with compound dims: ``(6,12,24,48)->(72,24,6,8)`` is
 ``([a, b, c, de]) -> ([ab], [c], [d], [e])``, so "only the major factor of a merged dim
-may carry the sharding" falls out of the engine. Dims whose sizes change (a sliced,
-padded or concatenated dim) are need-replication: sharding them would move data.
+may carry the sharding" falls out of the engine. A sliced, padded or reversed dim is a
+windowed factor (`jaxshard.rule.Window`): it stays split where each shard needs at most
+its neighbours' rows, which XLA sends with collective-permutes. A concatenated dim, or a
+dynamically sliced one, is need-replication.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
-from jax.extend.core import JaxprEqn
+import numpy as np
+from jax.extend.core import JaxprEqn, Literal
 from jax.extend.core import primitives as p
 
-from jaxshard.rule import FactorKind, Rule, RuleBuilder, primitive, register_rule, shapes_of
+from jaxshard.rule import (
+    FactorKind,
+    Rule,
+    RuleBuilder,
+    Window,
+    primitive,
+    register_rule,
+    shapes_of,
+)
 
 NEED = FactorKind.NEED_REPLICATION
 
@@ -135,10 +147,16 @@ def iota_rule(eqn: JaxprEqn) -> Rule:
     return b.build()
 
 
-def aligned_rule(eqn: JaxprEqn, changed: set[int] = frozenset()) -> Rule:
+def aligned_rule(
+    eqn: JaxprEqn,
+    changed: set[int] = frozenset(),
+    windows: Mapping[int, Window] = {},  # noqa: B006 - read only
+) -> Rule:
     """Same-rank operands and results: dim d is shared where every tensor has the same size
-    and d is not in ``changed``, else need-replication per tensor. Rank-0 operands (start
-    indices, padding values) take part in nothing.
+    and d is not in ``changed``; a dim of ``windows`` is one windowed factor shared by
+    every tensor (a halo exchange when split, see `jaxshard.rule.Window`); any other dim
+    is need-replication per tensor. Rank-0 operands (start indices, padding values) take
+    part in nothing.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -153,6 +171,13 @@ def aligned_rule(eqn: JaxprEqn, changed: set[int] = frozenset()) -> Rule:
         tensors = [("in", i, s) for i, s in enumerate(ins) if len(s) == rank and rank]
         tensors += [("out", i, s) for i, s in enumerate(outs)]
         sizes = {s[d] for _, _, s in tensors}
+        if d in windows:
+            b.add_factor(
+                {i: d for k, i, _ in tensors if k == "in"},
+                {i: d for k, i, _ in tensors if k == "out"},
+                window=windows[d],
+            )
+            continue
         if len(sizes) == 1 and d not in changed:
             b.add_factor(
                 {i: d for k, i, _ in tensors if k == "in"},
@@ -166,22 +191,123 @@ def aligned_rule(eqn: JaxprEqn, changed: set[int] = frozenset()) -> Rule:
     return b.build()
 
 
-register_rule(
-    p.slice_p, p.dynamic_slice_p, p.dynamic_update_slice_p, p.concatenate_p, primitive("split")
-)(aligned_rule)
+register_rule(p.concatenate_p, primitive("split"))(aligned_rule)
+
+
+def _constant_starts(eqn: JaxprEqn, first: int) -> list[int | None]:
+    """Each start index operand from ``first`` on: its value when a literal, else None."""
+    return [
+        int(v.val) if isinstance(v, Literal) and np.ndim(v.val) == 0 else None
+        for v in eqn.invars[first:]
+    ]
+
+
+@register_rule(p.dynamic_slice_p)
+def dynamic_slice_rule(eqn: JaxprEqn) -> Rule:
+    """A dim sliced at a constant start is a slice's window (`slice_rule`); at a traced
+    start it is need-replication (which rows is known only at run time).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> f = lambda x: jax.lax.dynamic_slice(x, (2, 0), (2, 8))
+        >>> print(dynamic_slice_rule(jax.make_jaxpr(f)(jnp.ones((4, 8))).eqns[0]))
+        ([a, b], [], [])->([a, b]) window={a} {a=2, b=8}
+    """
+    (shape, *_), (out,) = shapes_of(eqn.invars), shapes_of(eqn.outvars)
+    starts = _constant_starts(eqn, 1)
+    sliced = {d for d in range(len(shape)) if out[d] != shape[d]}
+    windows = {d: Window(shape[d], out[d], low=-starts[d]) for d in sliced if starts[d] is not None}
+    return aligned_rule(eqn, sliced - set(windows), windows)
+
+
+@register_rule(p.dynamic_update_slice_p)
+def dynamic_update_slice_rule(eqn: JaxprEqn) -> Rule:
+    """A dim the update covers in part: the operand's and the result's rows are one
+    factor, the update's its own, need-replication (each device writes the update's rows
+    that fall in its own). Written at a constant start, the shared factor passes
+    through; at a traced one it is need-replication too.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> f = lambda x, u: jax.lax.dynamic_update_slice(x, u, (2, 0))
+        >>> eqn = jax.make_jaxpr(f)(jnp.ones((4, 8)), jnp.ones((2, 8))).eqns[0]
+        >>> print(dynamic_update_slice_rule(eqn))
+        ([a, c], [b, c], [], [])->([a, c]) need_replication={b} {a=4, b=2, c=8}
+    """
+    (shape, update, *_), (out,) = shapes_of(eqn.invars), shapes_of(eqn.outvars)
+    starts = _constant_starts(eqn, 2)
+    b = RuleBuilder(len(eqn.invars), 1, ([len(s) for s in shapes_of(eqn.invars)], [len(out)]))
+    for d, size in enumerate(shape):
+        if update[d] == size:
+            b.add_factor({0: d, 1: d}, {0: d}, size)
+            continue
+        kind = FactorKind.PASS if starts[d] is not None else NEED
+        b.add_factor({0: d}, {0: d}, size, kind)
+        b.add_factor({1: d}, {}, update[d], NEED)
+    return b.build()
+
+
+@register_rule(p.slice_p)
+def slice_rule(eqn: JaxprEqn) -> Rule:
+    """A sliced dim is a window of extent 1 read from ``start`` every ``stride`` rows:
+    split, each shard's rows come from its own shard and at most its neighbours' (XLA
+    sends them with collective-permutes), or else the dim is gathered.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> eqn = jax.make_jaxpr(lambda x: x[:, 1:7])(jnp.ones((4, 8))).eqns[0]
+        >>> print(slice_rule(eqn))
+        ([a, b])->([a, b]) window={b} {a=4, b=2}
+    """
+    (shape,) = shapes_of(eqn.invars)
+    (out,) = shapes_of(eqn.outvars)
+    strides = eqn.params["strides"] or (1,) * len(shape)
+    starts = eqn.params["start_indices"]
+    windows = {
+        d: Window(shape[d], out[d], stride=strides[d], low=-starts[d])
+        for d in range(len(shape))
+        if out[d] != shape[d]
+    }
+    return aligned_rule(eqn, windows=windows)
 
 
 @register_rule(p.pad_p)
 def pad_rule(eqn: JaxprEqn) -> Rule:
-    """Any padded dim is need-replication, even one whose size is unchanged (a shift)."""
-    config = eqn.params["padding_config"]
-    return aligned_rule(eqn, {d for d, c in enumerate(config) if any(c)})
+    """A padded dim is a window of extent 1 over the operand dilated by its interior
+    padding, ``low`` rows before it (negative: cropped): split, a shard's rows come from
+    its own shard and its neighbours' (a shift moves one row across each boundary, an
+    edge padding moves none on two devices), or else the dim is gathered.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> pad = lambda x: jax.lax.pad(x, 0.0, ((0, 0, 0), (1, 1, 0)))
+        >>> eqn = jax.make_jaxpr(pad)(jnp.ones((4, 8))).eqns[0]
+        >>> print(pad_rule(eqn))
+        ([a, b], [])->([a, b]) window={b} {a=4, b=2}
+    """
+    (shape, _), (out,) = shapes_of(eqn.invars), shapes_of(eqn.outvars)
+    windows = {
+        d: Window(shape[d], out[d], low=low, base_dilation=interior + 1)
+        for d, (low, _, interior) in enumerate(eqn.params["padding_config"])
+        if (low, interior) != (0, 0) or out[d] != shape[d]
+    }
+    return aligned_rule(eqn, windows=windows)
 
 
 @register_rule(p.rev_p)
 def rev_rule(eqn: JaxprEqn) -> Rule:
-    """Reversed dims are need-replication (a reversed shard lives on another device)."""
-    return aligned_rule(eqn, set(eqn.params["dimensions"]))
+    """A reversed dim is windowed: split, each shard's rows live reversed on the mirror
+    device (one collective-permute of the whole shard).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> eqn = jax.make_jaxpr(lambda x: x[::-1])(jnp.ones((4, 8))).eqns[0]
+        >>> print(rev_rule(eqn))
+        ([a, b])->([a, b]) window={a} {a=4, b=8}
+    """
+    (shape,) = shapes_of(eqn.invars)
+    windows = {d: Window(shape[d], shape[d], reverse=True) for d in eqn.params["dimensions"]}
+    return aligned_rule(eqn, windows=windows)
 
 
 @register_rule(primitive("stack"))

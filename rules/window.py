@@ -3,9 +3,13 @@ pooling gradients `select_and_scatter_add`, `select_and_gather_add`, `select_and
 
 A dim whose window is one element wide, with unit stride and no padding or dilation, is
 untouched by the window: it passes through, shared by every array operand and result.
-Every other dim is need-replication, one factor per tensor (a window straddling a shard
-boundary would need its neighbour's halo). Init values are scalars and take part in no
-factor.
+Every other dim is a windowed factor (`jaxshard.rule.Window`): split, each shard reads
+its neighbours' overlap of the window (a halo, sent by collective-permutes), none at all
+where the windows line up with the shards (2x2 pooling with stride 2). The pooling
+gradients, which scatter back into overlapping windows, and ops reading several arrays
+through one window keep a dim windowed only where windows tile it exactly (stride =
+extent, no padding or dilation), and need-replication otherwise. Init values are scalars
+and take part in no factor.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from jax.extend.core import JaxprEqn
 from jax.extend.core import primitives as p
 from jaxshard.rules.shape import aligned_rule
 
-from jaxshard.rule import Rule, register_rule
+from jaxshard.rule import Rule, Window, register_rule, shapes_of
 
 
 def windowed_dims(params) -> set[int]:
@@ -51,7 +55,7 @@ def windowed_dims(params) -> set[int]:
     p.select_and_scatter_p,
 )
 def window_rule(eqn: JaxprEqn) -> Rule:
-    """Dims outside the window pass through; windowed dims are need-replication.
+    """Dims outside the window pass through; windowed dims are windowed factors.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -59,7 +63,28 @@ def window_rule(eqn: JaxprEqn) -> Rule:
         ...     x, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
         >>> eqn = jax.make_jaxpr(pool)(jnp.ones((8, 4, 4, 3))).eqns[0]
         >>> print(window_rule(eqn))
-        ([a, b, d, f])->([a, c, e, f]) need_replication={b, c, d, e} {a=8, b=4, c=2, d=4,
-        e=2, f=3}
+        ([a, b, c, d])->([a, b, c, d]) window={b, c} {a=8, b=2, c=2, d=3}
     """
-    return aligned_rule(eqn, windowed_dims(eqn.params))
+    params = eqn.params
+    ins = [s for s in shapes_of(eqn.invars) if s]
+    rank = len(params["window_dimensions"])
+    ones = (1,) * rank
+    scatters = eqn.primitive.name.startswith("select_and_scatter")
+    read = 1 if scatters else 0  # select_and_scatter(source, operand, ...) pools operand
+    in_shape, out_shape = ins[read], shapes_of(eqn.outvars)[0]
+    window_shape = out_shape if not scatters else ins[0]
+    dims = windowed_dims(params)
+    tiled_only = scatters or len(ins) > 1 or len(eqn.outvars) > 1
+    windows = {}
+    for d in dims:
+        w = Window(
+            in_shape[d], window_shape[d], params["window_dimensions"][d],
+            params["window_strides"][d], params["padding"][d][0],
+            params.get("window_dilation", ones)[d], params.get("base_dilation", ones)[d],
+            operand=read,
+        )  # fmt: skip
+        tiles = (w.extent == w.stride and w.low == 0 and w.dilation == 1
+                 and w.base_dilation == 1 and w.size == w.out * w.stride)  # fmt: skip
+        if tiles or not tiled_only:
+            windows[d] = w
+    return aligned_rule(eqn, dims - set(windows), windows)

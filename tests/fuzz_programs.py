@@ -6,7 +6,8 @@ can be pasted into a file and run. Programs are built from primitives that have 
 elementwise ops with broadcasting (size-1 dims, rank-0 arguments, Python scalars),
 comparisons and selects, `dot_general` with random batch/contracting/free dims,
 reductions (with and without keepdims), reshapes (merge, split, arbitrary
-refactorization), transposes, slices, concatenations, broadcasts, gathers (embedding
+refactorization), transposes, slices, pads, reverses, window sums and maxima, 1-D
+convolutions, concatenations, broadcasts, gathers (embedding
 lookups, `take` along any axis, indices computed in the program), scans over a stacked
 leading dim (elementwise and matmul bodies), and `jaxshard.hint` on intermediates. Half
 the programs also return a new value of their argument, as a train step returns new
@@ -435,6 +436,54 @@ class _Builder:
         expr = f"jax.lax.slice_in_dim({v.expr}, {start}, {stop}, axis={axis})"
         return self.emit(expr, shape, v.dtype, v.exact)
 
+    def window(self):
+        """A windowed op along one dim (split, it exchanges halos): a pad (a shift when
+        cropped, interior padding), a reverse, a window sum or max, a 1-D convolution."""
+        v = self.pick(lambda u: u.dtype == "float32" and any(s > 1 for s in u.shape))
+        if v is None:
+            return None
+        axis = self.draw(st.sampled_from([d for d, s in enumerate(v.shape) if s > 1]))
+        n, shape = v.shape[axis], list(v.shape)
+        kind = self.draw(st.sampled_from(["pad", "rev", "sum", "max", "conv"]))
+        if kind == "rev":
+            return self.emit(f"jnp.flip({v.expr}, {axis})", shape, v.dtype, v.exact)
+        if kind == "pad":
+            low, high = self.draw(st.integers(-1, 2)), self.draw(st.integers(-1, 2))
+            interior = self.draw(st.integers(0, 1))
+            shape[axis] = low + high + n + (n - 1) * interior
+            if shape[axis] < 1:
+                return None
+            config = [(0, 0, 0)] * len(shape)
+            config[axis] = (low, high, interior)
+            return self.emit(f"jax.lax.pad({v.expr}, 0.0, {config})", shape, v.dtype, v.exact)
+        extent, stride = self.draw(st.integers(1, 3)), self.draw(st.integers(1, 2))
+        low, high = self.draw(st.integers(0, extent - 1)), self.draw(st.integers(0, extent - 1))
+        out = (n + low + high - extent) // stride + 1
+        if out < 1:
+            return None
+        if kind == "conv":  # the dim as a 1-D convolution's width, one channel in and out
+            if len(shape) > 3:
+                return None
+            rows = math.prod(shape) // n
+            w = self.new_arg((extent, 1, 1), "float32")
+            shape[axis] = out
+            moved = f"jnp.moveaxis({v.expr}, {axis}, -1).reshape({rows}, {n}, 1)"
+            expr = (
+                f"jnp.moveaxis(jax.lax.conv_general_dilated({moved}, {w.expr}, ({stride},), "
+                f"(({low}, {high}),), dimension_numbers=('NWC', 'WIO', 'NWC'))"
+                f".reshape({[*shape[:axis], *shape[axis + 1 :], out]}), -1, {axis})"
+            )
+            return self.emit(expr, shape, v.dtype)
+        dims, strides, padding = [1] * len(shape), [1] * len(shape), [(0, 0)] * len(shape)
+        dims[axis], strides[axis], padding[axis] = extent, stride, (low, high)
+        shape[axis] = out
+        op, init = ("jax.lax.add", "0.0") if kind == "sum" else ("jax.lax.max", "-jnp.inf")
+        expr = (
+            f"jax.lax.reduce_window({v.expr}, {init}, {op}, {tuple(dims)}, {tuple(strides)}, "
+            f"{padding})"
+        )
+        return self.emit(expr, shape, v.dtype, v.exact and kind == "max")
+
     def concat(self):
         v = self.pick(lambda u: len(u.shape) >= 1)
         if v is None:
@@ -515,6 +564,7 @@ OPS = (
     "concat",
     "broadcast",
     "hint",
+    "window",
 )
 
 

@@ -305,6 +305,12 @@ SAMPLES += [
     ("slice-strided", lambda x: x[::2], (_f32(8, 4),)),
     ("dynamic_slice", lambda x, i: lax.dynamic_slice(x, (i, 0), (2, 8)), (X, np.int32(1))),
     ("dynamic-index", lambda x, i: x[i], (X, np.int32(2))),
+    ("dynamic_slice-constant", lambda x: lax.dynamic_slice(x, (2, 4), (2, 4)), (X,)),
+    (
+        "dynamic_update_slice-constant",
+        lambda x, u: lax.dynamic_update_slice(x, u, (2, 4)),
+        (X, _f32(2, 4)),
+    ),
     (
         "dynamic_update_slice",
         lambda x, u, i: lax.dynamic_update_slice(x, u, (i, 0)),
@@ -349,6 +355,8 @@ SAMPLES += [
 # --- families whose rules are on their way (skipped until registered) ------------------
 
 IMAGE = _f32(2, 4, 8, 8)  # NCHW
+_NHWC = ("NHWC", "HWIO", "NHWC")
+_DISTINCT_IMAGE = _rng.permutation(256).astype(np.float32).reshape(2, 8, 8, 2)  # no ties
 _GROUPS = np.array([2, 6], np.int32)  # uneven, so a shard cannot guess where groups start
 _RAGGED_CONTRACTING = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [0]), ([], [])), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]
@@ -377,6 +385,48 @@ SAMPLES += [
         ),
         (_f32(2, 8, 4), _f32(2, 4, 8)),
     ),
+    (  # spatial dims split: halo exchanges, forward and both gradients, strided
+        "conv2d-grad-strided",
+        jax.grad(
+            lambda x, w: jnp.sum(
+                lax.conv_general_dilated(x, w, (2, 1), "SAME", dimension_numbers=_NHWC) ** 2
+            ),
+            argnums=(0, 1),
+        ),
+        (_f32(2, 8, 8, 2), _f32(3, 3, 2, 2)),
+    ),
+    (
+        "conv2d-grad-dilated",
+        jax.grad(
+            lambda x, w: jnp.sum(
+                lax.conv_general_dilated(
+                    x, w, (1, 1), ((2, 2), (0, 0)), rhs_dilation=(2, 1), dimension_numbers=_NHWC
+                )
+                ** 2
+            ),
+            argnums=(0, 1),
+        ),
+        (_f32(2, 8, 4, 2), _f32(3, 1, 2, 2)),
+    ),
+    (
+        "maxpool-3x3-stride1-grad",
+        jax.grad(
+            lambda x: jnp.sum(
+                lax.reduce_window(x, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 1, 1, 1), "SAME") ** 2
+            )
+        ),
+        (_DISTINCT_IMAGE,),
+    ),
+    (
+        "avgpool-2x2-grad",
+        jax.grad(
+            lambda x: jnp.sum(
+                lax.reduce_window(x, 0.0, lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") ** 2
+            )
+        ),
+        (_f32(2, 8, 8, 2),),
+    ),
+    ("roll-shift", lambda x: jnp.roll(x, 1, axis=0), (X,)),
     ("cumsum", lambda x: jnp.cumsum(x, 1), (X,)),
     ("cumsum-reverse", lambda x: lax.cumsum(x, 0, reverse=True), (X,)),
     ("cumsum-int", lambda x: jnp.cumsum(x, 0), (INT2,)),

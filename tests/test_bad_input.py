@@ -31,6 +31,7 @@ from jaxshard import JaxshardWarning, Pipeline, ShardingError
 
 W = jax.ShapeDtypeStruct((12, 16), jnp.float32)
 X = jax.ShapeDtypeStruct((8, 12), jnp.float32)
+NHWC = ("NHWC", "HWIO", "NHWC")
 
 
 def f(params, batch):
@@ -93,6 +94,23 @@ def test_non_divisible_result_dim_forced_by_a_hint(mesh):
     )
     with pytest.raises(ShardingError, match=error):
         plan(mesh, {"out": P(None, "model")}, args=args)
+
+
+def test_a_row_hint_on_a_valid_convolutions_result_that_the_axes_do_not_divide(mesh):
+    # rows split over "model" stay split through the first 'SAME' convolution; the 'VALID'
+    # one makes 14 rows, which the hint inside the program asks 4 devices to split
+    def net(image, w):
+        y = jax.lax.conv_general_dilated(image, w, (1, 1), "SAME", dimension_numbers=NHWC)
+        y = jax.lax.conv_general_dilated(y, w, (1, 1), "VALID", dimension_numbers=NHWC)
+        return jaxshard.hint(y, P(None, "model"))
+
+    args = (
+        jax.ShapeDtypeStruct((1, 16, 8, 2), jnp.float32),
+        jax.ShapeDtypeStruct((3, 3, 2, 2), jnp.float32),
+    )
+    error = rf"test_bad_input.py:{line_of(net, 3)}.*dim 1 has size 14.*\('model',\)"
+    with pytest.raises(ShardingError, match=error):
+        plan(mesh, {"image": P(None, "model")}, fn=net, args=args)
 
 
 def test_spec_on_a_scalar_is_too_long(mesh):

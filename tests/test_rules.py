@@ -130,7 +130,7 @@ CASES = [
         lambda a: a[:, 1:3],
         (x8x4,),
         "slice",
-        "([a, b])->([a, c]) need_replication={b, c} {a=8, b=4, c=2}",
+        "([a, b])->([a, b]) window={b} {a=8, b=2}",
     ),
     (
         "convert",

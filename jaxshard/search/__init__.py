@@ -148,7 +148,9 @@ def search_hints(
                 try:
                     choice, optimal, status = solve(problem, t0, time_limit, say)
                 except Infeasible as e:
-                    for smallest in e.choices:
+                    # the model's smallest layouts, and the hints' own (nothing split
+                    # further), which the model may overrate where propagation gathers
+                    for smallest in [*e.choices, problem.baseline()]:
                         propagated(smallest)
                     memory, plan, choice = min(tried, key=lambda t: t[0].total)
                     if strict and memory.total > target:
@@ -216,8 +218,9 @@ def search_hints(
         compiled = None
         if calibrate:
             plan, memory, choice, optimal, status, compiled = _calibrated(
-                problem, memory_budget, settle, Settled(plan, memory, choice, optimal, status), say
-            )
+                problem, memory_budget, settle, Settled(plan, memory, choice, optimal, status),
+                say, propagated,
+            )  # fmt: skip
     seconds = time.perf_counter() - t0
     if not optimal:
         warn(
@@ -360,12 +363,14 @@ class _Checked(NamedTuple):
     compiled: int
 
 
-def _calibrated(problem, budget: float, settle, first: Settled, say) -> _Checked:
+def _calibrated(problem, budget: float, settle, first: Settled, say, propagated) -> _Checked:
     """Check the searched plan against its compiled program and search again with the
     budget rescaled by the compiled program's memory over the estimate (``COMPILES`` at
     most): the estimate misses XLA's fusion and buffer reuse by some percent either way,
     and the compiled program decides whether a layout fits. Keeps the plan that moves
-    the fewest bytes among those whose compiled memory fits; raises when none does."""
+    the fewest bytes among those whose compiled memory fits; where none does, the hints'
+    own layout (nothing split further) is compiled too, as the search must not do worse
+    than the hints it was given; raises when that does not fit either."""
     found = first
     checked: list[_Checked] = []
     for attempt in range(COMPILES):
@@ -385,6 +390,13 @@ def _calibrated(problem, budget: float, settle, first: Settled, say) -> _Checked
         if not found.optimal and found.memory.total > problem.budget:
             break
     fits = [c for c in checked if c.compiled <= budget]
+    baseline = problem.baseline()
+    if not fits and not any(problem.hints_for(c.choice) == problem.hints_for(baseline)
+                            for c in checked):  # fmt: skip
+        plan, memory = propagated(baseline)
+        compiled = compiled_memory(Lowered(plan).lower().compile())
+        checked.append(_Checked(plan, memory, baseline, False, "the hints' own layout", compiled))
+        fits = [c for c in checked if c.compiled <= budget]
     if not fits:
         smallest = min(c.compiled for c in checked)
         raise ShardingError(

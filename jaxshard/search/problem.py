@@ -20,10 +20,11 @@ from jax.sharding import PartitionSpec
 from jaxshard.annotate import ExactPath
 from jaxshard.cost import (
     Liveness,
-    PartialSum,
     executions,
+    halo_collectives,
     liveness,
     nbytes,
+    pending_sums,
     reshard_collectives,
     ring_bytes,
     step_bytes,
@@ -688,7 +689,7 @@ class Problem(MemoryModel):
             if kinds is None:
                 kinds = special[id(rule)] = tuple(
                     f for f, factor in enumerate(rule.factors)
-                    if factor.kind is not FactorKind.PASS and factor.size > 1
+                    if not factor.plain and factor.size > 1
                 )  # fmt: skip
             cut = self.cuts.get(a, frozenset())
             if not kinds and not cut:
@@ -737,7 +738,9 @@ class Problem(MemoryModel):
         moved = set(cut)
         for t, dims in enumerate(tensors):
             for d, fl in enumerate(dims):
-                big = [f for f in fl if rule.factors[f].size > 1]
+                # a windowed factor of size 1 (no axis splits both its dims) still
+                # makes a split operand dim whole here
+                big = [f for f in fl if rule.factors[f].size > 1 or rule.factors[f].window]
                 if not big:
                     continue
                 f = majors[t, d] = big[0]
@@ -758,13 +761,25 @@ class Problem(MemoryModel):
                 decided = any(decision_of(r) is not None for rs in refs for r in rs)
                 if decided:
                     return None
-        partial = PartialSum(
-            axes for f, axes in sorted(factor_axes.items())
-            if rule.factors[f].kind is FactorKind.REDUCTION
-        )  # fmt: skip
+        partial = pending_sums(rule, factor_axes)
         need = {f for f, axes in factor_axes.items()
                 if rule.factors[f].kind is FactorKind.NEED_REPLICATION}  # fmt: skip
+        # a windowed factor split: a halo exchange, or worked whole where the shards
+        # would need more than their neighbours' rows
         steps = []
+        for f, axes in factor_axes.items():
+            window = rule.factors[f].window
+            if (
+                window is not None
+                and window.permutes(math.prod(self.sizes[a] for a in axes)) is None
+            ):
+                need.add(f)
+        if any(rule.factors[f].window is not None for f in factor_axes):
+            windowed = {f: axes for f, axes in factor_axes.items() if f not in need}
+            layout_of = dict(zip(vids, layouts))
+            steps += [
+                s for _, s in halo_collectives(rule, windowed, g, vids, layout_of, self.sizes)
+            ]
         n_ops = len(rule.operands)
         for t, dims in enumerate(tensors):
             v = vids[t]
