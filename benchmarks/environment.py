@@ -31,11 +31,13 @@ def environment() -> str:
     except OSError:
         commit = "?"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    platform_name = jax.devices()[0].platform
     return (
         f"Measured {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} at commit {commit}: "
         f"JAX {jax.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPU cores "
-        f"(load average {load:.1f} at start), {jax.device_count()} simulated "
-        f"{jax.devices()[0].platform.upper()} devices."
+        f"(load average {load:.1f} at start), {jax.device_count()} "
+        f"{'simulated ' if platform_name == 'cpu' else ''}{platform_name.upper()} "
+        f"device{'s' if jax.device_count() > 1 else ''}."
     )
 
 

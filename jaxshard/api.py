@@ -234,6 +234,9 @@ class AutoShard:
         leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         signature = []
         for i, leaf in enumerate(leaves):
+            if isinstance(leaf, jax.Array):  # the common case, read without a new object
+                signature.append((leaf.shape, leaf.dtype, leaf.weak_type))
+                continue
             try:
                 a = abstractify(leaf, "")
             except ShardingError:
@@ -524,9 +527,12 @@ def _place(x: Any, sharding: NamedSharding) -> Any:
     the program that was compiled instead of tracing and compiling it again. In a
     multi-process job an argument that is not already a global array is taken as the
     whole global value (the same on every process) and each process places its own
-    shards of it."""
+    shards of it. An array already laid out as planned, in an equivalent sharding, is
+    passed as it is."""
     if isinstance(x, jax.Array):
-        if x.sharding == sharding:
+        # an equivalent layout is the planned one (on one device, the array's own
+        # SingleDeviceSharding): a device_put per leaf per step would cost a copy
+        if x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim):
             return x
         if sharding.is_fully_addressable or not x.is_fully_addressable:
             return jax.device_put(x, sharding)

@@ -182,3 +182,17 @@ def test_compiled_programs_are_named_after_the_function(mesh):
     for fn in (forward_step, eval_step):
         text = jaxshard.auto_shard(mesh, {"x": P("data")})(fn).lower(x).as_text()
         assert f"module @jit_{fn.__name__} " in text
+
+
+def test_arguments_already_laid_out_as_planned_are_passed_as_they_are():
+    # on one device an array's own SingleDeviceSharding is the planned layout: placing
+    # each leaf again would copy every parameter at every step
+    from jax.sharding import AxisType, NamedSharding
+
+    from jaxshard.api import _place
+
+    one = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+    x = jnp.ones((4, 8))
+    assert _place(x, NamedSharding(one, P())) is x
+    step = jaxshard.auto_shard(one)(lambda w, b: jnp.tanh(b @ w))
+    np.testing.assert_allclose(step(x.T, x), jnp.tanh(x @ x.T))
