@@ -7,9 +7,10 @@ jaxpr rewrites of `jaxshard.rewrite` (an average pooling's gradient as one windo
 over a base-dilated input). Each row times a train step (AdamW) both ways, in float32
 and bfloat16 (parameters, optimizer state and inputs cast): the median of ``--runs``
 steps of a training loop (each step's new parameters and optimizer state the next one's
-arguments) after two warm-ups, each step's outputs blocked on. Models: the U-Net of ``examples/models.py`` on 8 images of 512 x 512 (convolutions,
-pooling, upsampling), and a GPT decoder (d 1024, 8 layers, sequence 1024, batch 16,
-attention by `jax.nn.dot_product_attention`, cuDNN's fused kernel where the backend has
+arguments) after two warm-ups, each step's outputs blocked on. Models: the U-Net of
+``examples/models.py`` on 8 images of 512 x 512 (convolutions, pooling, upsampling),
+and a GPT decoder (d 1024, 8 layers, sequence 1024, batch 16, attention by
+`jax.nn.dot_product_attention`, cuDNN's fused kernel in bfloat16 where the backend has
 it).
 
     python -m benchmarks.one_gpu [--runs 20] [--quick]
