@@ -235,7 +235,7 @@ class AutoShard:
         signature = []
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, jax.Array):  # the common case, read without a new object
-                signature.append((leaf.shape, leaf.dtype, leaf.weak_type))
+                signature.append((leaf.shape, leaf.dtype, bool(getattr(leaf, "weak_type", False))))
                 continue
             try:
                 a = abstractify(leaf, "")

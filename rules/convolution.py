@@ -19,9 +19,13 @@ dim is ``[g, ci]``, the kernel's output-feature dim and the result's feature dim
 ``[g, co]``. For a depthwise convolution (one input feature per group) the batch and
 group factors pass through, as each device convolves its own channels; with several
 input features per group XLA's partitioner gathers the operands whatever their
-sharding, so every factor is need-replication. With ``batch_group_count`` > 1 (the
-kernel gradient of a grouped convolution) the batch and output-feature dims are
-need-replication and the input features still reduce.
+sharding, so every factor is need-replication.
+
+With ``batch_group_count`` G > 1 (the kernel gradient of a grouped convolution) the lhs
+batch dim is ``[g, n]`` and the kernel's and the result's output features ``[g, o]``:
+group g's rows make group g's features, so ``g`` splits with no communication (a
+depthwise kernel gradient split by channels), the rest is need-replication and the
+input features still reduce.
 """
 
 from __future__ import annotations
@@ -59,12 +63,21 @@ def conv_rule(eqn: JaxprEqn) -> Rule:
     # (depthwise); otherwise it gathers even a batch-sharded lhs.
     grouped_gathers = groups > 1 and in_group > 1
     b = RuleBuilder(2, 1, ([len(lhs), len(rhs)], [len(out)]))
-    if batch_groups == 1 and not grouped_gathers:
+    if batch_groups > 1 and groups == 1:
+        # the lhs batch is [group, row], the output features [group, feature]: each
+        # group's rows make that group's features (a grouped convolution's kernel
+        # gradient), so the group factor splits with no communication
+        b.add_factor({0: lb, 1: ro}, {0: of}, batch_groups)
+        b.add_factor({0: lb}, {0: ob}, lhs[lb] // batch_groups, NEED)
+        b.add_factor({1: ro}, {0: of}, rhs[ro] // batch_groups, NEED)
+    elif batch_groups == 1 and not grouped_gathers:
         b.add_factor({0: lb}, {0: ob}, lhs[lb])
     else:
         b.add_factor({0: lb}, {}, lhs[lb], NEED)
         b.add_factor({}, {0: ob}, out[ob], NEED)
-    if groups > 1:
+    if batch_groups > 1 and groups == 1:
+        pass  # the output features are the groups' (above)
+    elif groups > 1:
         b.add_factor({0: lf, 1: ro}, {0: of}, groups, NEED if grouped_gathers else PASS)
         if rhs[ro] > groups:  # a channel multiplier
             b.add_factor({1: ro}, {0: of}, rhs[ro] // groups, NEED)

@@ -409,6 +409,34 @@ SAMPLES += [
         ),
         (_f32(2, 8, 4, 2), _f32(3, 1, 2, 2)),
     ),
+    (  # the kernel gradient is a convolution with batch_group_count 2
+        "conv2d-grouped-grad",
+        jax.grad(
+            lambda x, w: jnp.sum(
+                jnp.square(
+                    lax.conv_general_dilated(
+                        x, w, (1, 1), "SAME", feature_group_count=2, dimension_numbers=_NHWC
+                    )
+                )
+            ),
+            argnums=1,
+        ),
+        (_f32(2, 8, 8, 4, lo=0.1, hi=1.0), _f32(2, 2, 2, 4, lo=0.1, hi=1.0)),
+    ),
+    (  # depthwise: one input feature per group
+        "conv2d-depthwise-grad",
+        jax.grad(
+            lambda x, w: jnp.sum(
+                jnp.square(
+                    lax.conv_general_dilated(
+                        x, w, (1, 1), "SAME", feature_group_count=4, dimension_numbers=_NHWC
+                    )
+                )
+            ),
+            argnums=1,
+        ),
+        (_f32(2, 8, 8, 4, lo=0.1, hi=1.0), _f32(2, 2, 1, 4, lo=0.1, hi=1.0)),
+    ),
     (
         "maxpool-3x3-stride1-grad",
         jax.grad(

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 import jaxshard
 from jaxshard.baseline import compiled_memory
 from jaxshard.rule import Window
+from jaxshard.verify import hlo_collectives
 
 ROWS = {r"x": P(None, "x")}
 
@@ -192,3 +193,49 @@ def test_rows_and_columns_split_two_ways_exchange_corners_and_sum_kernels_once(m
     assert (("data", "model"),) in summed
     check = plan.verify(step.lower(*args))
     assert check.ok, check.surprises
+
+
+def pooled_sq(x):
+    return lax.reduce_window(x, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 1, 1, 1), "SAME") ** 2
+
+
+def test_xla_alone_splits_an_overlapping_max_pool_gradient_wrongly(mesh8):
+    # why the rule keeps those dims whole: jax.jit given the same split computes other
+    # numbers (JAX 0.10 and 0.12 on CPU); when this fails, XLA has been fixed and the
+    # pooling gradient's rule can let overlapping windows stay split
+    grad = jax.grad(lambda x: jnp.sum(pooled_sq(x)))
+    x = jnp.asarray(
+        np.random.default_rng(0).permutation(64 * 16 * 2).astype(np.float32).reshape(1, 64, 16, 2)
+    )
+    rows = jax.sharding.NamedSharding(mesh8, P(None, "x"))
+    split = jax.jit(grad, in_shardings=rows, out_shardings=rows)(x)
+    assert not np.allclose(split, jax.jit(grad)(x), rtol=1e-5)
+
+
+def test_a_cumulative_sum_along_split_rows_is_gathered_as_xla_does(mesh8):
+    # XLA has no partitioned prefix sum on this backend: it all-gathers the rows, and
+    # the rule (need-replication) plans the same gather
+    def f(x):
+        return jnp.cumsum(x, axis=1)
+
+    rows = jax.sharding.NamedSharding(mesh8, P(None, "x"))
+    alone = jax.jit(f, in_shardings=rows, out_shardings=rows).lower(IMAGE).compile()
+    assert "all-gather" in hlo_collectives(alone.as_text())
+    step = jaxshard.auto_shard(mesh8, hints={r"x": P(None, "x"), r"out": P(None, "x")})(f)
+    plan = step.plan(IMAGE)
+    assert {s.kind for r in plan.reshards for s in r.steps} == {"all-gather"}
+    x = jnp.arange(np.prod(IMAGE.shape), dtype=jnp.float32).reshape(IMAGE.shape) / 1000
+    np.testing.assert_allclose(step(x), jnp.cumsum(x, axis=1), rtol=1e-5)
+
+
+def test_the_search_splits_the_batch_where_there_is_one(mesh8):
+    # eight images: splitting the batch needs no halo, so it moves fewer bytes than rows
+    cfg = models.UNetConfig(image=32)
+    params = models.init_unet(jax.random.key(0), cfg)
+    optimizer = optax.adamw(1e-3)
+    batch = models.make_batch_unet(jax.random.key(1), cfg, batch_size=8)
+    train_step = models.make_train_step(functools.partial(models.unet_loss, cfg=cfg), optimizer)
+    args = (params, optimizer.init(params), batch)
+    one = compiled_memory(jax.jit(train_step).lower(*args).compile())
+    step = jaxshard.auto_shard(mesh8, search=True, memory_budget=0.5 * one)(train_step)
+    assert step.plan(*args).in_specs[2]["image"] == P("x")
