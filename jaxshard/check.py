@@ -8,8 +8,10 @@ pass-through factor must also compile to a program without collectives. A reduct
 factor is checked again per device under `shard_map`: each device's partial results,
 combined the way the rule declares (sum, max, ...), must give the global result; an
 indexed one (a lookup by global indices, see `jaxshard.rule.Factor`) must compile to
-all-reduces only. The
-catalogue's own test (`tests/test_rule_execution.py`) and `check_rule` share this core.
+all-reduces only. A windowed factor (a spatial dim, see `jaxshard.rule.Window`) must
+compile to exactly the collective-permutes of the halo its window predicts for two
+shards (and all-reduces, for a windowed reduction), nothing else. The catalogue's own
+test (`tests/test_rule_execution.py`) and `check_rule` share this core.
 """
 
 from __future__ import annotations

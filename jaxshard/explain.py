@@ -52,6 +52,14 @@ def _partial_text(axes) -> str:
     return f" (partial over {', '.join(sorted(axes))})" if axes else ""
 
 
+def _layout_text(r) -> str:
+    """A reshard's layouts: ``from -> to``, or the one layout of a halo exchange (a
+    windowed equation's neighbours' rows, the layout unchanged)."""
+    if r.src == r.dst and not r.partial and all(s.kind == "collective-permute" for s in r.steps):
+        return f"{to_spec(r.src)}, halo"
+    return f"{to_spec(r.src)}{_partial_text(r.partial)} -> {to_spec(r.dst)}"
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     widths[-1] = 0  # last column (origin / collectives) is free text
@@ -121,7 +129,7 @@ def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False
             [
                 r.where,
                 g.names.get(r.vid, f"%{r.vid}"),
-                f"{to_spec(r.src)}{_partial_text(r.partial)} -> {to_spec(r.dst)}",
+                _layout_text(r),
                 human_bytes(r.call_bytes),
                 runs_text(r),
                 ", ".join(r.collectives),

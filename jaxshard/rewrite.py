@@ -33,12 +33,11 @@ def rewrite_closed(closed: ClosedJaxpr) -> ClosedJaxpr:
         >>> [(e.primitive.name, e.params["base_dilation"]) for e in rewrite_closed(closed).eqns]
         [('reduce_window_sum', (2,))]
     """
-    jaxpr = _rewrite(closed.jaxpr)
-    return closed if jaxpr is closed.jaxpr else closed.replace(jaxpr=jaxpr)
+    return _rewrite_value(closed, {})
 
 
-def _rewrite(jaxpr: Jaxpr) -> Jaxpr:
-    eqns = [_rewrite_params(e) for e in jaxpr.eqns]
+def _rewrite(jaxpr: Jaxpr, memo: dict) -> Jaxpr:
+    eqns = [_rewrite_params(e, memo) for e in jaxpr.eqns]
     readers = Counter(v for e in eqns for v in e.invars if not isinstance(v, Literal))
     readers.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
     padded = {e.outvars[0]: e for e in eqns if _zero_pad(e)}
@@ -54,22 +53,32 @@ def _rewrite(jaxpr: Jaxpr) -> Jaxpr:
     return jaxpr.replace(eqns=out) if changed else jaxpr
 
 
-def _rewrite_params(eqn: JaxprEqn) -> JaxprEqn:
+def _rewrite_params(eqn: JaxprEqn, memo: dict) -> JaxprEqn:
     params, changed = {}, False
     for name, value in eqn.params.items():
-        new = _rewrite_value(value)
+        new = _rewrite_value(value, memo)
         changed |= new is not value
         params[name] = new
     return eqn.replace(params=params) if changed else eqn
 
 
-def _rewrite_value(value: Any) -> Any:
-    if isinstance(value, ClosedJaxpr):
-        return rewrite_closed(value)
-    if isinstance(value, Jaxpr):
-        return _rewrite(value)
+def _rewrite_value(value: Any, memo: dict) -> Any:
+    """``value`` rewritten where it is a jaxpr or holds some; a jaxpr several equations
+    share (a function called twice) stays one object, rewritten once."""
+    if isinstance(value, ClosedJaxpr | Jaxpr):
+        done = memo.get(id(value))
+        if done is None:
+            # JAX 0.12 merged ClosedJaxpr into Jaxpr: a jaxpr is its own ``.jaxpr``
+            if isinstance(value, ClosedJaxpr) and value.jaxpr is not value:
+                inner = _rewrite_value(value.jaxpr, memo)
+                done = value if inner is value.jaxpr else value.replace(jaxpr=inner)
+            else:
+                done = _rewrite(value, memo)
+            memo[id(value)] = (value, done)  # the original kept alive: its id stays its own
+            return done
+        return done[1]
     if isinstance(value, tuple) and any(isinstance(v, ClosedJaxpr | Jaxpr) for v in value):
-        new = tuple(_rewrite_value(v) for v in value)
+        new = tuple(_rewrite_value(v, memo) for v in value)
         return value if all(a is b for a, b in zip(new, value)) else new
     return value
 

@@ -4,10 +4,12 @@ A rule factorizes one jaxpr equation (Shardy's OpShardingRule, Paddle's einsum
 notation): named factors with sizes, each operand dim and result dim a list of factors
 (major to minor), and each factor a kind — pass-through, reduction (contracted away:
 sharding it leaves the result a pending partial sum) or need-replication (sharding it
-would need a full gather). Higher-order primitives do not get rules but *regions*: inner
-jaxprs whose values are linked to the outer equation's by small link rules. The
-catalogue in ``jaxshard.rules`` fills both registries; the engine never names a
-primitive.
+would need a full gather). A factor may also be read through a window (a spatial dim of
+a convolution, pooling, pad, slice or reverse: Shardy's permutation factors): its
+`Window` says which neighbours' rows each shard needs, a halo exchange. Higher-order
+primitives do not get rules but *regions*: inner jaxprs whose values are linked to the
+outer equation's by small link rules. The catalogue in ``jaxshard.rules`` fills both
+registries; the engine never names a primitive.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 A rule (`jaxshard.rule`) factors an equation's operand and result dims into named
 factors of three kinds: pass-through (sharding it shards the result alike, no
 communication), reduction (contracted: sharding it leaves the result a pending partial
-sum) and need-replication (a sort or scan dim: never sharded). These claims are what
-this module checks by running the equations.
+sum) and need-replication (a sort or scan dim: never sharded); a pass-through or
+reduction factor may be windowed (a spatial dim: split, each shard fetches a halo from
+its neighbours, whose collective-permutes the check predicts; case ids end in
+``-window``). These claims are what this module checks by running the equations.
 
 For each equation of each program in `rule_samples.SAMPLES` whose primitive has a rule,
 and each pass-through or reduction factor of that rule that splits over 2 devices, run

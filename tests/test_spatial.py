@@ -239,3 +239,50 @@ def test_the_search_splits_the_batch_where_there_is_one(mesh8):
     one = compiled_memory(jax.jit(train_step).lower(*args).compile())
     step = jaxshard.auto_shard(mesh8, search=True, memory_budget=0.5 * one)(train_step)
     assert step.plan(*args).in_specs[2]["image"] == P("x")
+
+
+def test_an_update_at_a_traced_row_gathers_the_rows_as_xla_does(mesh8):
+    # where the update lands is known only at run time: XLA gathers a split operand dim,
+    # and the rule (need-replication) plans the same; at a constant row nothing moves
+    def f(x, u, i):
+        return lax.dynamic_update_slice(x, u, (0, i, 0, 0))
+
+    rows = jax.sharding.NamedSharding(mesh8, P(None, "x"))
+    whole = jax.sharding.NamedSharding(mesh8, P())
+    update = jax.ShapeDtypeStruct((1, 4, 16, 4), jnp.float32)
+    row = jax.ShapeDtypeStruct((), jnp.int32)
+    alone = jax.jit(f, in_shardings=(rows, whole, whole), out_shardings=rows)
+    assert "all-gather" in hlo_collectives(alone.lower(IMAGE, update, row).compile().as_text())
+    hints = {r"x": P(None, "x"), r"out": P(None, "x")}
+    traced = jaxshard.auto_shard(mesh8, hints=hints)(f).plan(IMAGE, update, row)
+    assert {s.kind for r in traced.reshards for s in r.steps} == {"all-gather"}
+    fixed = jaxshard.auto_shard(mesh8, hints=hints)(lambda x, u: f(x, u, 8)).plan(IMAGE, update)
+    assert not fixed.reshards
+
+
+@pytest.mark.parametrize(
+    "fn,folded",
+    [
+        (lambda x: _window_sum(lax.pad(x, 0.0, [(1, 2, 1)])), True),  # an avg-pool gradient
+        (lambda x: _window_sum(lax.pad(x, 1.0, [(1, 2, 1)])), False),  # pads with ones
+        (lambda x: _window_sum(lax.pad(x, 0.0, [(-1, 2, 1)])), False),  # crops a row
+        (lambda x: (lambda p: _window_sum(p) + p[:9])(lax.pad(x, 0.0, [(1, 2, 1)])), False),
+    ],
+    ids=["zero pad", "pad of ones", "crop", "pad read twice"],
+)
+def test_a_zero_pad_read_only_by_a_window_sum_is_folded_into_it(fn, folded):
+    from jax.extend.core import jaxpr_as_fun
+
+    from jaxshard.rewrite import rewrite_closed
+
+    x = jnp.arange(4.0)
+    closed = jax.make_jaxpr(jax.jit(fn))(x)
+    rewritten = rewrite_closed(closed)
+    (inner,) = [e.params["jaxpr"] for e in rewritten.eqns if "jaxpr" in e.params]
+    names = [e.primitive.name for e in inner.eqns]
+    assert ("pad" not in names) == folded
+    np.testing.assert_array_equal(jaxpr_as_fun(rewritten)(x)[0], fn(x))
+
+
+def _window_sum(x):
+    return lax.reduce_window(x, 0.0, lax.add, (2,), (1,), "VALID")
