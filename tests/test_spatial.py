@@ -286,3 +286,27 @@ def test_a_zero_pad_read_only_by_a_window_sum_is_folded_into_it(fn, folded):
 
 def _window_sum(x):
     return lax.reduce_window(x, 0.0, lax.add, (2,), (1,), "VALID")
+
+
+def test_a_volume_split_by_depth_trains_as_planned(mesh8):
+    # 3-D convolutions and pooling (a medical or climate volume): the depth split stays
+    # split through the forward and both gradients
+    dn = ("NDHWC", "DHWIO", "NDHWC")
+
+    def loss(x, w1, w2):
+        y = jax.nn.relu(lax.conv_general_dilated(x, w1, (1, 1, 1), "SAME", dimension_numbers=dn))
+        y = lax.reduce_window(y, 0.0, lax.add, (1, 2, 2, 2, 1), (1, 2, 2, 2, 1), "VALID")
+        y = lax.conv_general_dilated(y, w2, (1, 1, 1), "SAME", dimension_numbers=dn)
+        return jnp.mean(y**2)
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (1, 32, 16, 16, 2))
+    w1 = jax.random.normal(keys[1], (3, 3, 3, 2, 4)) * 0.2
+    w2 = jax.random.normal(keys[2], (3, 3, 3, 4, 4)) * 0.2
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    step = jaxshard.auto_shard(mesh8, {r"x": P(None, "x")})(grad)
+    plan = step.plan(x, w1, w2)
+    assert {s.kind for r in plan.reshards for s in r.steps} == {"all-reduce", "collective-permute"}
+    check = plan.verify(step.lower(x, w1, w2))
+    assert check.ok, check.surprises
+    assert_leaves_match(step(x, w1, w2), jax.jit(grad)(x, w1, w2))
