@@ -69,10 +69,15 @@ def window_rule(eqn: JaxprEqn) -> Rule:
     ins = [s for s in shapes_of(eqn.invars) if s]
     rank = len(params["window_dimensions"])
     ones = (1,) * rank
-    scatters = eqn.primitive.name.startswith("select_and_scatter")
-    read = 1 if scatters else 0  # select_and_scatter(source, operand, ...) pools operand
-    in_shape, out_shape = ins[read], shapes_of(eqn.outvars)[0]
-    window_shape = out_shape if not scatters else ins[0]
+    # the pooled operand and the pooled (window-sized) shape: select_and_scatter_add
+    # takes (source, operand), select_and_scatter (operand, source)
+    name = eqn.primitive.name
+    scatters = name.startswith("select_and_scatter")
+    read, pooled = {"select_and_scatter_add": (1, 0), "select_and_scatter": (0, 1)}.get(
+        name, (0, None)
+    )
+    in_shape = ins[read]
+    window_shape = shapes_of(eqn.outvars)[0] if pooled is None else ins[pooled]
     dims = windowed_dims(params)
     tiled_only = scatters or len(ins) > 1 or len(eqn.outvars) > 1
     windows = {}
