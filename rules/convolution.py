@@ -75,14 +75,13 @@ def conv_rule(eqn: JaxprEqn) -> Rule:
     else:
         b.add_factor({0: lb}, {}, lhs[lb], NEED)
         b.add_factor({}, {0: ob}, out[ob], NEED)
-    if batch_groups > 1 and groups == 1:
-        pass  # the output features are the groups' (above)
-    elif groups > 1:
+    if groups > 1:
         b.add_factor({0: lf, 1: ro}, {0: of}, groups, NEED if grouped_gathers else PASS)
         if rhs[ro] > groups:  # a channel multiplier
             b.add_factor({1: ro}, {0: of}, rhs[ro] // groups, NEED)
-    else:
-        b.add_factor({1: ro}, {0: of}, rhs[ro], PASS if batch_groups == 1 else NEED)
+    elif batch_groups == 1:
+        b.add_factor({1: ro}, {0: of}, rhs[ro])
+    # (with batch groups alone, the output features are the groups' factors above)
     strides, padding = params["window_strides"], params["padding"]
     lhs_dilation, rhs_dilation = params["lhs_dilation"], params["rhs_dilation"]
     for i, (ld, rd, od) in enumerate(zip(ls, rs, os)):
