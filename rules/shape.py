@@ -2,10 +2,11 @@
 
 `reshape` is a factorization with compound dims: ``(6,12,24,48)->(72,24,6,8)`` is
 ``([a, b, c, de]) -> ([ab], [c], [d], [e])``, so "only the major factor of a merged dim
-may carry the sharding" falls out of the engine. A sliced, padded or reversed dim is a
-windowed factor (`jaxshard.rule.Window`): it stays split where each shard needs at most
-its neighbours' rows, which XLA sends with collective-permutes. A concatenated dim, or a
-dynamically sliced one, is need-replication.
+may carry the sharding" falls out of the engine. A sliced, padded or reversed dim (a
+dynamic slice's at a constant offset too) is a windowed factor (`jaxshard.rule.Window`):
+it stays split where each shard needs at most its neighbours' rows, which XLA sends with
+collective-permutes. A concatenated dim, or one sliced or updated at a traced offset, is
+need-replication.
 """
 
 from __future__ import annotations
