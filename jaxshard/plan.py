@@ -189,6 +189,7 @@ class Plan:
                 if graph.out_vids[o] not in prop.hinted:  # ...unless the user pinned the result
                     out_dims[o] = self.dims[graph.in_vids[i]]
         self.out_dims: tuple[tuple[DimSharding, ...], ...] = tuple(map(tuple, out_dims))
+        self._returned(graph)
         # a plan is a value: the step's cache shares it, so nothing in it changes again
         for name in ("conflicts", "reshards", "slices", "repeats", "moved_again", "written"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
@@ -229,6 +230,29 @@ class Plan:
                 self.reshards.append(
                     Reshard(a, vid, layout, layout, frozenset(), step.ring_bytes, (step,),
                             g.apps[a].describe(), self._runs[a], self._in_while[a])
+                )  # fmt: skip
+
+    def _returned(self, graph: Graph) -> None:
+        """A result computed in another layout than the one it is returned in (the new
+        value of an argument keeps the argument's layout, while the update computing it
+        worked in its optimizer state's split layout) moves at the end of the step: XLA
+        all-gathers it into the output buffer, a reshard at the equation that made it."""
+        producers = None
+        for o, (vid, out) in enumerate(zip(graph.out_vids, self.out_dims)):
+            if tuple(self.dims[vid]) == out:
+                continue
+            producers = producers if producers is not None else graph.producers()
+            a = producers.get(vid)
+            if a is None:
+                continue
+            steps = reshard_collectives(graph.shapes[vid], graph.dtypes[vid], self.dims[vid],
+                                        out, self.axis_sizes, frozenset(), self._reduce_scatter)  # fmt: skip
+            if steps:
+                self.reshards.append(
+                    Reshard(a, vid, tuple(self.dims[vid]), out, frozenset(),
+                            sum(s.ring_bytes for s in steps) + 0.0, tuple(steps),
+                            f"{graph.apps[a].describe()}, returned as out/{o}",
+                            self._runs[a], self._in_while[a])
                 )  # fmt: skip
 
     def _move_operand(self, a: int, vid: int, dst: tuple[DimSharding, ...]) -> None:
