@@ -239,7 +239,9 @@ def search_hints(
     return result
 
 
-COMPILES = 4  # the most compiles `calibrate_memory` makes
+# the most compiles `calibrate_memory` makes searching (one more, of the hints' own
+# layout, where none of those fits)
+COMPILES = 4
 # the share of a memory budget the search plans within, where it can: XLA's buffer
 # assignment packs the heap with a few percent the estimate does not see (fragmentation
 # between buffers of different sizes and lifetimes: 4.7% of the 8B shape's searched plan)
