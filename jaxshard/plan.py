@@ -1240,25 +1240,39 @@ class _Pricing:
         tied = dict((g.out_vids[o], g.in_vids[i]) for i, o in g.ties)
         sources = [tied.get(v, v) for v in g.out_vids]
         self.memory = MemoryCurve(g, final.state.dims, prop.axis_sizes, sources, live)
+        # a new value returned in its argument's layout (`Plan._returned`), priced as a
+        # move at the end of the step: result -> argument
+        self.returned = {r: i for r, i in tied.items() if r not in prop.hinted and r != i}
 
     @property
     def cost(self) -> float:
         """The plan's collective cost (every application priced once, on first use)."""
         if self._cost is None:
             self._cost = sum(self._app(a)[0] for a in self.apps)
+            self._cost += sum(self._app(("returned", r))[0] for r in self.returned)
         return self._cost
 
-    def _app(self, a: int) -> tuple[float, float]:
+    def _app(self, a) -> tuple[float, float]:
+        """The cost of application ``a``, or of returning value ``v`` for ``a = ("returned",
+        v)``."""
         found = self.costs.get(a)
         if found is None:
-            found = self.costs[a] = _app_cost(self.final, a, self.runs[a], self.reduce_scatter)
+            found = self.costs[a] = self._price_of(a)
         return found
+
+    def _price_of(self, a) -> tuple[float, float]:
+        if isinstance(a, tuple):
+            return _return_cost(self.final, a[1], self.returned[a[1]], self.reduce_scatter)
+        return _app_cost(self.final, a, self.runs[a], self.reduce_scatter)
 
     def price(self, changed: dict[int, list[DimSharding]]) -> tuple[float, int, bool, dict]:
         """``(extra collective cost, memory, moved, per-application costs)`` with the
         values in ``changed`` laid out as given there."""
         dims = self.final.state.dims
-        touched = {a for v in changed for a in self.final.uses[v] if a in self.apps}
+        touched: set = {a for v in changed for a in self.final.uses[v] if a in self.apps}
+        touched |= {
+            ("returned", r) for r, i in self.returned.items() if r in changed or i in changed
+        }
         before = {a: self._app(a) for a in touched}
         old = {v: dims[v] for v in changed}
         costs = {}
@@ -1266,7 +1280,7 @@ class _Pricing:
             for v, new in changed.items():
                 dims[v] = new
             for a in touched:
-                costs[a] = _app_cost(self.final, a, self.runs[a], self.reduce_scatter)
+                costs[a] = self._price_of(a)
         finally:
             for v, d in old.items():
                 dims[v] = d
@@ -1293,6 +1307,24 @@ class _Pricing:
         self._cost += sum(c[0] - self._app(a)[0] for a, c in costs.items())
         self.costs.update(costs)
         self.memory.update(changed)
+
+
+def _return_cost(prop: Propagator, r: int, arg: int, reduce_scatter: bool) -> tuple[float, float]:
+    """What returning value ``r`` in argument ``arg``'s layout costs, once per call: the
+    collective cost and its gathered bytes (as `_app_cost`)."""
+    g, sizes, dims = prop.graph, prop.axis_sizes, prop.state.dims
+    src = [() if d is None else d for d in dims[r]]
+    dst = [() if d is None else d for d in dims[arg]]
+    total = gathered = 0.0
+    for step in reshard_collectives(g.shapes[r], g.dtypes[r], src, dst, sizes, frozenset(),
+                                    reduce_scatter):  # fmt: skip
+        if prop.cost_model is None:
+            total += step.ring_bytes
+        else:
+            total += prop.cost_model.collective_time(step.axes, step.ring_bytes)
+        if step.kind in ("all-gather", "all-to-all"):
+            gathered += step.ring_bytes
+    return total, gathered
 
 
 def _app_cost(prop: Propagator, a: int, runs: int, reduce_scatter: bool) -> tuple[float, float]:

@@ -124,43 +124,6 @@ def test_nnx_state_with_rngs_plans_and_runs_unchanged(mesh):
     assert "rngs/key" in text and "key<fry>" in text
 
 
-def test_a_parameter_updated_in_its_split_optimizer_state_is_returned_as_predicted():
-    # a Flax NNX CNN under Adam: the moments of the larger kernels are split to save
-    # memory, the update of such a kernel is computed split and the new kernel gathered
-    # into its (replicated) output buffer, which the plan predicts
-    nnx = pytest.importorskip("flax.nnx")
-    import optax
-
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.c1 = nnx.Conv(3, 16, (3, 3), padding="SAME", rngs=rngs)
-            self.c2 = nnx.Conv(16, 16, (3, 3), strides=(2, 2), padding="SAME", rngs=rngs)
-            self.c3 = nnx.Conv(16, 4, (1, 1), rngs=rngs)
-
-        def __call__(self, x):
-            x = nnx.max_pool(nnx.relu(self.c1(x)), (2, 2), (2, 2))
-            return self.c3(nnx.avg_pool(nnx.relu(self.c2(x)), (2, 2), (2, 2)))
-
-    model = Net(nnx.Rngs(0))
-    graphdef, state = nnx.split((model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)))
-
-    def step(state, x, y):
-        model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
-        optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
-
-    x = jax.random.normal(jax.random.key(0), (8, 32, 32, 3))
-    y = jax.random.normal(jax.random.key(1), (8, 4, 4, 4))
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    planned = jaxshard.auto_shard(mesh, {r"x|y": P("data")})(step)
-    plan = planned.plan(state, x, y)
-    assert any("returned as" in r.where for r in plan.reshards)
-    check = plan.verify(planned.lower(state, x, y))
-    assert check.ok, check.surprises
-    assert_leaves_match(planned(state, x, y), jax.jit(step)(state, x, y))
-
-
 @pytest.mark.parametrize(
     "rules, expected",
     [

@@ -409,3 +409,23 @@ def test_every_step_of_a_reshard_is_one_xla_has_a_collective_for():
             assert steps[-1] == dst
             for a, b in zip([src, *steps], steps):
                 assert reshard_steps(a, b) == [b], (src, dst, steps)
+
+
+def test_a_new_value_computed_split_and_returned_whole_is_a_predicted_gather(mesh):
+    # the new weight is computed split over "data" (a hint inside the step); as the new
+    # value of an argument stored whole it is returned whole: XLA all-gathers it into
+    # its output buffer, which the plan predicts at the equation that made it
+    def step(params, x):
+        w = params["w"]
+        grad = x.T @ jnp.tanh(x @ w)
+        new = jaxshard.hint(w - 0.1 * grad, P("data", None))
+        return {"w": new * 1.0}, jnp.sum(x @ w)
+
+    params = {"w": jax.ShapeDtypeStruct((16, 8), jnp.float32)}
+    args = (params, jax.ShapeDtypeStruct((4, 16), jnp.float32))
+    planned = jaxshard.auto_shard(mesh, {r"params/w": P(None, None)})(step)
+    plan = planned.plan(*args)
+    (returned,) = [r for r in plan.reshards if "returned as out/0" in r.where]
+    assert returned.collectives == ("all-gather over data",)
+    check = plan.verify(planned.lower(*args))
+    assert check.ok, check.surprises
