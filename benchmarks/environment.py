@@ -63,3 +63,18 @@ def write_result(name: str, text: str, quick: bool) -> None:
     with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(text)
     print(text)
+
+
+def markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table's lines, columns padded to their widest cell.
+
+    Example:
+        >>> markdown_table(["a", "bb"], [["1", "2"]])
+        ['| a | bb |', '|---|----|', '| 1 | 2  |']
+    """
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+
+    def line(r: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+
+    return [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)]

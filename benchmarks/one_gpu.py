@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from .environment import environment, load_now, write_result
+from .environment import environment, load_now, markdown_table, write_result
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -148,9 +148,7 @@ def main() -> None:
         "",
         environment(),
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "|".join("---" for _ in head) + "|",
-        *("| " + " | ".join(r) + " |" for r in rows),
+        *markdown_table(head, rows),
         "",
         f"Median of {args.runs} steps after two warm-ups, outputs blocked on. " + load_now(),
         "",

@@ -22,7 +22,6 @@ memory and whether `verify()` found the compiled program as planned.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 
@@ -31,7 +30,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     )
 
-from .environment import environment, load_now, write_result
+from .environment import environment, load_now, markdown_table, write_result
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -47,7 +46,6 @@ def run(image: int) -> list[list[str]]:
         >>> run(64)  # doctest: +SKIP
     """
     import jax
-    import optax
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -55,17 +53,11 @@ def run(image: int) -> list[list[str]]:
     from jaxshard.baseline import compiled_cost, shardy_alone
 
     sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-    import models
+    import unet_spatial
 
-    cfg = models.UNetConfig(image=image)
-    params = models.init_unet(jax.random.key(0), cfg)
-    optimizer = optax.adamw(1e-3)
-    opt_state = optimizer.init(params)
-    step_fn = models.make_train_step(functools.partial(models.unet_loss, cfg=cfg), optimizer)
-    batch = models.make_batch_unet(jax.random.key(1), cfg, batch_size=1)
-    args = (params, opt_state, batch)
+    step_fn, args, rows_hint = unet_spatial.factory(image)
+    params, opt_state, _ = args
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
-    rows_hint = {r"batch/image": P(None, "x"), r"batch/mask": P(None, "x")}
     cols_hint = {r"batch/image": P(None, None, "x"), r"batch/mask": P(None, None, "x")}
 
     one = compiled_cost(jax.jit(step_fn).lower(*args).compile(), mesh)
@@ -94,7 +86,7 @@ def run(image: int) -> list[list[str]]:
     image_spec = plan.in_specs[2]["image"]
     table[-1][0] += f" (chose image {image_spec})"
 
-    many = models.make_batch_unet(jax.random.key(1), cfg, batch_size=8)
+    _, (_, _, many), _ = unet_spatial.factory(image, batch_size=8)
     split = NamedSharding(mesh, P("x"))
     whole = NamedSharding(mesh, P())
     shardings = (jax.tree.map(lambda _: whole, params), jax.tree.map(lambda _: whole, opt_state),
@@ -118,13 +110,10 @@ def main() -> None:
     rows = run(image)
     head = ["layout", "memory MiB", "vs replicated", "bytes MiB", "predicted MiB",
             "estimated MiB", "verify()"]  # fmt: skip
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
     text = "\n".join([
         f"# Spatial partitioning: U-Net on one {image} x {image} image, 8 devices", "",
         environment(), "",
-        line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-        *(line(r) for r in rows), "",
+        *markdown_table(head, rows), "",
         "Memory per device from `memory_analysis()`; bytes are the compiled collectives' "
         "ring volumes per device per step. " + load_now(), "",
     ])  # fmt: skip

@@ -36,9 +36,9 @@ from jaxshard.baseline import compiled_memory  # noqa: E402
 HINTS = {r"batch/image": P(None, "x"), r"batch/mask": P(None, "x")}
 
 
-def factory(image: int = 64):
-    """The train step, its example arguments (one ``image`` x ``image`` picture), and the
-    hints.
+def factory(image: int = 64, batch_size: int = 1):
+    """The train step, its example arguments (``batch_size`` pictures of ``image`` x
+    ``image``), and the hints.
 
     Example:
         >>> step, (params, opt_state, batch), hints = factory(64)  # doctest: +SKIP
@@ -46,7 +46,7 @@ def factory(image: int = 64):
     cfg = models.UNetConfig(image=image)
     params = models.init_unet(jax.random.key(0), cfg)
     optimizer = optax.adamw(1e-3)
-    batch = models.make_batch_unet(jax.random.key(1), cfg, batch_size=1)
+    batch = models.make_batch_unet(jax.random.key(1), cfg, batch_size=batch_size)
     step = models.make_train_step(functools.partial(models.unet_loss, cfg=cfg), optimizer)
     return step, (params, optimizer.init(params), batch), HINTS
 

@@ -206,6 +206,26 @@ class PlannedCollective(NamedTuple):
         return f"{self.kind} over {','.join(self.axes)}"
 
 
+def unhaloed(rule, values, axis_sizes) -> set[int]:
+    """The windowed factors of ``rule`` split in ``values`` (factor -> mesh axes) whose
+    shards would need more than their neighbours' rows (`jaxshard.rule.Window.permutes`
+    is None): the equation works them whole.
+
+    Example:
+        >>> from jaxshard.rule import Factor, Rule, Window
+        >>> rule = Rule((Factor("r", 62, window=Window(64, 62, 3)),), (), ())
+        >>> unhaloed(rule, {0: ("x",)}, {"x": 2}), unhaloed(rule, {0: ("x",)}, {"x": 8})
+        (set(), {0})
+    """
+    return {
+        f
+        for f, axes in values.items()
+        if axes
+        and rule.factors[f].window is not None
+        and rule.factors[f].window.permutes(math.prod(axis_sizes[a] for a in axes)) is None
+    }
+
+
 def halo_collectives(
     rule, values, graph, vids, layouts, axis_sizes
 ) -> list[tuple[int, PlannedCollective]]:

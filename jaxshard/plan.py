@@ -1310,20 +1310,27 @@ class _Pricing:
 
 
 def _return_cost(prop: Propagator, r: int, arg: int, reduce_scatter: bool) -> tuple[float, float]:
-    """What returning value ``r`` in argument ``arg``'s layout costs, once per call: the
-    collective cost and its gathered bytes (as `_app_cost`)."""
-    g, sizes, dims = prop.graph, prop.axis_sizes, prop.state.dims
+    """What returning value ``r`` in argument ``arg``'s layout costs, once per call (as
+    `_app_cost`)."""
+    g, dims = prop.graph, prop.state.dims
     src = [() if d is None else d for d in dims[r]]
     dst = [() if d is None else d for d in dims[arg]]
+    steps = reshard_collectives(g.shapes[r], g.dtypes[r], src, dst, prop.axis_sizes,
+                                frozenset(), reduce_scatter)  # fmt: skip
+    return _steps_cost(prop, steps, 1)
+
+
+def _steps_cost(prop: Propagator, steps, runs: int) -> tuple[float, float]:
+    """Collectives run ``runs`` times: their cost (bytes per device, or seconds under the
+    propagator's cost model) and the bytes of it that gather or rearrange a layout."""
     total = gathered = 0.0
-    for step in reshard_collectives(g.shapes[r], g.dtypes[r], src, dst, sizes, frozenset(),
-                                    reduce_scatter):  # fmt: skip
+    for step in steps:
         if prop.cost_model is None:
-            total += step.ring_bytes
+            total += step.ring_bytes * runs
         else:
-            total += prop.cost_model.collective_time(step.axes, step.ring_bytes)
+            total += prop.cost_model.collective_time(step.axes, step.ring_bytes) * runs
         if step.kind in ("all-gather", "all-to-all"):
-            gathered += step.ring_bytes
+            gathered += step.ring_bytes * runs
     return total, gathered
 
 
@@ -1333,21 +1340,13 @@ def _app_cost(prop: Propagator, a: int, runs: int, reduce_scatter: bool) -> tupl
     gather or rearrange a layout (all-gathers, all-to-alls) rather than sum partials."""
     if prop.settled(a):
         return 0.0, 0.0
-    total = gathered = 0.0
     g, sizes = prop.graph, prop.axis_sizes
     steps = [step for _, step in prop.halos(a)]
     for vid, src, dst, partial in app_moves(prop, sizes, a)[0]:
         steps += reshard_collectives(
             g.shapes[vid], g.dtypes[vid], src, dst, sizes, partial, reduce_scatter
         )
-    for step in steps:
-        if prop.cost_model is None:
-            total += step.ring_bytes * runs
-        else:
-            total += prop.cost_model.collective_time(step.axes, step.ring_bytes) * runs
-        if step.kind in ("all-gather", "all-to-all"):
-            gathered += step.ring_bytes * runs
-    return total, gathered
+    return _steps_cost(prop, steps, runs)
 
 
 def split_for_memory(

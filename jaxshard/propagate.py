@@ -34,6 +34,7 @@ from jaxshard.cost import (
     halo_collectives,
     pending_sums,
     reshard_collectives,
+    unhaloed,
     xla_scope,
 )
 from jaxshard.errors import JaxshardBug
@@ -652,12 +653,7 @@ class Propagator:
         n_operands = len(g.apps[a].operands)
         halo = 0.0
         if self._struct[a][3] is None and any(f.window is not None for f in rule.factors):
-            values = dict(values)
-            for f, factor in enumerate(rule.factors):
-                if factor.window is not None and values.get(f):
-                    n = math.prod(self.axis_sizes[x] for x in values[f])
-                    if factor.window.permutes(n) is None:
-                        values[f] = ()
+            values = {**values, **dict.fromkeys(unhaloed(rule, values, self.axis_sizes), ())}
             layouts = {v: dims[v] for v in vids}
             for _, step in halo_collectives(rule, values, g, vids, layouts, self.axis_sizes):
                 halo += self._step_price(step)
@@ -844,13 +840,12 @@ class Propagator:
         factors whole, and windowed factors whole where their shards would need more
         than a halo from their neighbours (`jaxshard.rule.Window.permutes`)."""
         values, _ = self.factor_values(a)
-        for f, factor in enumerate(self.graph.apps[a].rule.factors):
+        rule = self.graph.apps[a].rule
+        for f in unhaloed(rule, values, self.axis_sizes):
+            values[f] = ()
+        for f, factor in enumerate(rule.factors):
             if factor.kind is NEED:
                 values[f] = ()
-            elif factor.window is not None and values.get(f):
-                n = math.prod(self.axis_sizes[x] for x in values[f])
-                if factor.window.permutes(n) is None:
-                    values[f] = ()
         return values
 
     def halos(self, a: int) -> list[tuple[int, PlannedCollective]]:

@@ -14,6 +14,8 @@ test, so add a sample here together with the rule.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.extend.random as jex_random
 import jax.numpy as jnp
@@ -357,6 +359,17 @@ SAMPLES += [
 IMAGE = _f32(2, 4, 8, 8)  # NCHW
 _NHWC = ("NHWC", "HWIO", "NHWC")
 _DISTINCT_IMAGE = _rng.permutation(256).astype(np.float32).reshape(2, 8, 8, 2)  # no ties
+
+
+def _grouped_kernel_grad(groups: int):
+    """The kernel gradient of a 'SAME' convolution with ``groups`` feature groups."""
+    conv = functools.partial(
+        lax.conv_general_dilated, window_strides=(1, 1), padding="SAME",
+        feature_group_count=groups, dimension_numbers=_NHWC,
+    )  # fmt: skip
+    return jax.grad(lambda x, w: jnp.sum(jnp.square(conv(x, w))), argnums=1)
+
+
 _GROUPS = np.array([2, 6], np.int32)  # uneven, so a shard cannot guess where groups start
 _RAGGED_CONTRACTING = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [0]), ([], [])), lhs_ragged_dimensions=[1], rhs_group_dimensions=[]
@@ -411,30 +424,12 @@ SAMPLES += [
     ),
     (  # the kernel gradient is a convolution with batch_group_count 2
         "conv2d-grouped-grad",
-        jax.grad(
-            lambda x, w: jnp.sum(
-                jnp.square(
-                    lax.conv_general_dilated(
-                        x, w, (1, 1), "SAME", feature_group_count=2, dimension_numbers=_NHWC
-                    )
-                )
-            ),
-            argnums=1,
-        ),
+        _grouped_kernel_grad(2),
         (_f32(2, 8, 8, 4, lo=0.1, hi=1.0), _f32(2, 2, 2, 4, lo=0.1, hi=1.0)),
     ),
     (  # depthwise: one input feature per group
         "conv2d-depthwise-grad",
-        jax.grad(
-            lambda x, w: jnp.sum(
-                jnp.square(
-                    lax.conv_general_dilated(
-                        x, w, (1, 1), "SAME", feature_group_count=4, dimension_numbers=_NHWC
-                    )
-                )
-            ),
-            argnums=1,
-        ),
+        _grouped_kernel_grad(4),
         (_f32(2, 8, 8, 4, lo=0.1, hi=1.0), _f32(2, 2, 1, 4, lo=0.1, hi=1.0)),
     ),
     (

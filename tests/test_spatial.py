@@ -13,14 +13,11 @@ an update at a traced offset) or computes wrong (an overlapping max pool's gradi
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import models
 import numpy as np
-import optax
 import pytest
+import unet_spatial
 from helpers import assert_leaves_match
 from jax import lax
 from jax.sharding import AxisType
@@ -115,12 +112,8 @@ def test_window_halos(window, n, halo):
 
 @pytest.fixture(scope="module")
 def unet(mesh8):
-    cfg = models.UNetConfig(image=128)
-    params = models.init_unet(jax.random.key(0), cfg)
-    optimizer = optax.adamw(1e-3)
-    batch = models.make_batch_unet(jax.random.key(1), cfg, batch_size=1)
-    train_step = models.make_train_step(functools.partial(models.unet_loss, cfg=cfg), optimizer)
-    return train_step, (params, optimizer.init(params), batch)
+    train_step, args, _ = unet_spatial.factory(128)
+    return train_step, args
 
 
 def test_a_row_hint_keeps_every_unet_activation_split(mesh8, unet):
@@ -231,12 +224,7 @@ def test_a_cumulative_sum_along_split_rows_is_gathered_as_xla_does(mesh8):
 
 def test_the_search_splits_the_batch_where_there_is_one(mesh8):
     # eight images: splitting the batch needs no halo, so it moves fewer bytes than rows
-    cfg = models.UNetConfig(image=32)
-    params = models.init_unet(jax.random.key(0), cfg)
-    optimizer = optax.adamw(1e-3)
-    batch = models.make_batch_unet(jax.random.key(1), cfg, batch_size=8)
-    train_step = models.make_train_step(functools.partial(models.unet_loss, cfg=cfg), optimizer)
-    args = (params, optimizer.init(params), batch)
+    train_step, args, _ = unet_spatial.factory(32, batch_size=8)
     one = compiled_memory(jax.jit(train_step).lower(*args).compile())
     step = jaxshard.auto_shard(mesh8, search=True, memory_budget=0.5 * one)(train_step)
     assert step.plan(*args).in_specs[2]["image"] == P("x")

@@ -28,6 +28,7 @@ from jaxshard.cost import (
     reshard_collectives,
     ring_bytes,
     step_bytes,
+    unhaloed,
 )
 from jaxshard.graph import AppKind, find_root, view_dims
 from jaxshard.lattice import Axes, spec_entry, to_spec
@@ -767,13 +768,7 @@ class Problem(MemoryModel):
         # a windowed factor split: a halo exchange, or worked whole where the shards
         # would need more than their neighbours' rows
         steps = []
-        for f, axes in factor_axes.items():
-            window = rule.factors[f].window
-            if (
-                window is not None
-                and window.permutes(math.prod(self.sizes[a] for a in axes)) is None
-            ):
-                need.add(f)
+        need |= unhaloed(rule, factor_axes, self.sizes)
         if any(rule.factors[f].window is not None for f in factor_axes):
             windowed = {f: axes for f, axes in factor_axes.items() if f not in need}
             layout_of = dict(zip(vids, layouts))
