@@ -19,6 +19,10 @@ parallel on model):
   where the pipeline starts). The weight gradients are summed over "data" every
   iteration; one row shows `Pipeline(replicate=True)`, where each replica adds up its
   own and they are summed once per step.
+- `Pipeline("stage", M, schedule="circular", repeats=2)`: each stage holds 2 chunks of 4
+  layers (stage s: chunks s and s + 4) and every microbatch passes the stages twice; the
+  stacked weights move from layer order to the stages' chunks once per step (an
+  all-to-all) and their gradients back (collective-permutes).
 
 Columns: memory per device (`memory_analysis`: arguments + results + temporaries −
 aliased), collective bytes per device per step (compiled, ring volumes), compute per
@@ -111,6 +115,11 @@ def run(quick: bool = False, microbatches=(4, 8, 16), log=print) -> tuple[list, 
         (f"pipeline, M = {m}, batch on (data, stage)", outside, jaxshard.Pipeline("stage", m))
         for m in microbatches
     ]
+    layouts += [
+        (f"circular pipeline (v = 2), M = {m}, batch on (data, stage)", outside,
+         jaxshard.Pipeline("stage", m, schedule="circular", repeats=2))
+        for m in microbatches
+    ]  # fmt: skip
     for name, hints, pipeline in layouts:
         log(f"{w.name}: {name} ...")
         rows.append((name, pipeline, measure(w, mesh, hints, pipeline)))
@@ -140,20 +149,24 @@ def report(rows, w) -> str:
         )
     out += [
         "",
-        "Bubble against microbatches (S = 4): the analytic share of each stage's iterations "
-        "that compute nothing kept, and the compute the pipelined program does per device "
-        "over the ideal share (the 16-way data x 4-way tensor parallel layout's).",
+        "Bubble against schedule and microbatches (S = 4; v = 1 for GPipe): the analytic "
+        "share of each stage's iterations that compute nothing kept, and the compute the "
+        "pipelined program does per device over the ideal share (the 16-way data x 4-way "
+        "tensor parallel layout's).",
         "",
-        "| M | bubble (S-1)/(M+S-1) | compute / ideal - 1 | (S-1)/M |",
-        "|---|---|---|---|",
+        "| schedule | M | iterations vM+S-1 | bubble (S-1)/(vM+S-1) | compute / ideal - 1 | "
+        "(S-1)/(vM) | memory / device | collective bytes / device |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, pipeline, m in rows:
         if pipeline is None or "(data, stage)" not in name or pipeline.replicate:
             continue
-        mb = pipeline.microbatches
+        mb, v = pipeline.microbatches, pipeline.laps
+        schedule = pipeline.schedule + (f", v = {v}" if v > 1 else "")
         out.append(
-            f"| {mb} | {pipeline.bubble(stages):.1%} | {m['flops'] / ideal - 1:+.1%} | "
-            f"{(stages - 1) / mb:.1%} |"
+            f"| {schedule} | {mb} | {v * mb + stages - 1} | {pipeline.bubble(stages):.1%} | "
+            f"{m['flops'] / ideal - 1:+.1%} | {(stages - 1) / (v * mb):.1%} | "
+            f"{human_bytes(m['memory'])} | {human_bytes(m['bytes'])} |"
         )
     return "\n".join(out) + "\n"
 

@@ -1,4 +1,5 @@
-"""Pipeline parallelism from unchanged code: a scan over layers runs as a GPipe pipeline.
+"""Pipeline parallelism from unchanged code: a scan over layers runs as a GPipe or a
+circular pipeline.
 
 ``auto_shard(mesh, hints, pipeline=Pipeline(axis="stage", microbatches=M))`` traces the
 step with `jax.lax.scan` intercepted. A scan *qualifies* when it loops over stacked
@@ -27,11 +28,18 @@ inlined (their primal is differentiated).
 
 Bubble iterations compute on real data (the buffer starts as copies of the first
 microbatch) whose results are dropped, so no NaN enters the gradients from them.
+
+The circular schedule (``schedule="circular", repeats=v``) runs v·M+S−1 iterations over
+stages that hold v chunks of L/(S·v) layers each (stage s: chunks s, s+S, ...): the
+stacks move from layer order to that layout once per step (`_interleave`), stage s on
+iteration t runs its chunk (t−s)//M on its slot, and one array holds each microbatch's
+latest activations, fed to stage 0 again at the start of its next pass.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Iterator, Sequence
@@ -41,6 +49,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 from jax.extend.core import primitives as prims
 from jax.sharding import PartitionSpec as P
@@ -62,14 +71,26 @@ from jaxshard.trace import Traced
 MICROBATCH = "__microbatch__"  # the pseudo mesh axis that proves batch independence
 
 
+SCHEDULES = ("gpipe", "circular")
+
+
 @dataclass(frozen=True)
 class Pipeline:
-    """Pipeline parallelism for `auto_shard`: the layer scans of the step run as a GPipe
+    """Pipeline parallelism for `auto_shard`: the layer scans of the step run as a
     pipeline over mesh axis ``axis`` with ``microbatches`` microbatches (module doc).
+
+    ``schedule="gpipe"`` (the default): stage s holds one contiguous block of L/S layers.
+    ``schedule="circular"`` with ``repeats=v``: stage s holds the v layer chunks s, s+S,
+    s+2S, ... of L/(S·v) layers each, and every microbatch passes the ring of stages v
+    times, which shrinks the bubble from (S−1)/(M+S−1) to (S−1)/(v·M+S−1) for one more
+    stage-to-stage transfer per chunk. Circular needs at least S microbatches (a
+    microbatch's next lap starts after its previous one left the last stage).
 
     Example:
         >>> Pipeline(axis="stage", microbatches=4).bubble(stages=2)
         0.2
+        >>> Pipeline("stage", 4, schedule="circular", repeats=2).bubble(stages=2)
+        0.1111111111111111
     """
 
     axis: str = "stage"
@@ -79,6 +100,8 @@ class Pipeline:
     # they are summed once per step (fewer bytes; XLA keeps the per-replica accumulators:
     # more memory). False: the gradients are summed over those axes every iteration.
     replicate: bool = False
+    schedule: str = "gpipe"
+    repeats: int = 1  # layer chunks per stage, with schedule="circular"
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:
@@ -86,11 +109,7 @@ class Pipeline:
                 f"Pipeline(axis={self.axis!r}): the axis is the name of a mesh axis, e.g. "
                 "Pipeline(axis='stage', microbatches=4)"
             )
-        if (
-            isinstance(self.microbatches, bool)
-            or not isinstance(self.microbatches, int)
-            or (self.microbatches < 1)
-        ):
+        if not _positive_int(self.microbatches):
             raise ShardingError(
                 f"Pipeline(microbatches={self.microbatches!r}): give a positive int that "
                 "divides the batch, e.g. microbatches=4"
@@ -98,15 +117,42 @@ class Pipeline:
 
         if not isinstance(self.replicate, bool):
             raise ShardingError(f"Pipeline(replicate={self.replicate!r}): True or False")
+        if self.schedule == "1f1b":
+            raise ShardingError(
+                "Pipeline(schedule='1f1b'): jaxshard does not run the one-forward-one-backward "
+                "schedule; use schedule='circular' with repeats=2 or more for a smaller bubble, "
+                "or fewer microbatches for less activation memory"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ShardingError(
+                f"Pipeline(schedule={self.schedule!r}): one of {SCHEDULES}, e.g. "
+                "Pipeline('stage', 8, schedule='circular', repeats=2)"
+            )
+        if not _positive_int(self.repeats):
+            raise ShardingError(
+                f"Pipeline(repeats={self.repeats!r}): give a positive int, the layer chunks "
+                "each stage holds, e.g. repeats=2"
+            )
+        if self.repeats > 1 and self.schedule != "circular":
+            raise ShardingError(
+                f"Pipeline(repeats={self.repeats}) applies to schedule='circular' only; write "
+                f"Pipeline({self.axis!r}, {self.microbatches}, schedule='circular', "
+                f"repeats={self.repeats})"
+            )
+
+    @property
+    def laps(self) -> int:
+        """How many times each microbatch passes the stages: ``repeats`` when circular."""
+        return self.repeats if self.schedule == "circular" else 1
 
     def bubble(self, stages: int) -> float:
-        """The fraction of a GPipe step each stage idles: (S−1)/(M+S−1).
+        """The fraction of a step each stage idles: (S−1)/(v·M+S−1), v = 1 for GPipe.
 
         Example:
             >>> [round(Pipeline(microbatches=m).bubble(4), 2) for m in (1, 4, 16)]
             [0.75, 0.43, 0.16]
         """
-        return (stages - 1) / (self.microbatches + stages - 1)
+        return _bubble(stages, self.microbatches, self.laps)
 
     def check_mesh(self, axis_names: Sequence[str]) -> None:
         """A ShardingError unless the pipeline's axis is one of the mesh's.
@@ -124,7 +170,8 @@ class Pipeline:
 
 @dataclass(frozen=True)
 class PipelinedLoop:
-    """A scan jaxshard pipelined: where, its layers, stages, microbatches and batch.
+    """A scan jaxshard pipelined: where, its layers, stages, microbatches, batch and
+    schedule.
 
     Example:
         >>> loop = PipelinedLoop("model.py:40 (loss)", 8, 2, 4, 16, ((16, 64, 32),), 0)
@@ -140,20 +187,46 @@ class PipelinedLoop:
     carry: tuple[tuple[int, ...], ...]
     moving_consts: int  # values the body closes over that carry the batch
     replicas: tuple[str, ...] = ()  # mesh axes each microbatch's rows are split over
+    schedule: str = "gpipe"
+    repeats: int = 1  # layer chunks per stage (circular)
+
+    @property
+    def iterations(self) -> int:
+        """v·M + S − 1: the loop's iterations, forward (the backward runs as many)."""
+        return self.repeats * self.microbatches + self.stages - 1
 
     @property
     def bubble(self) -> float:
-        """(S−1)/(M+S−1): the share of each stage's iterations that compute nothing kept."""
-        return (self.stages - 1) / (self.microbatches + self.stages - 1)
+        """(S−1)/(v·M+S−1): the share of each stage's iterations that compute nothing kept."""
+        return _bubble(self.stages, self.microbatches, self.repeats)
 
     def describe(self) -> str:
         """Lines for `Plan.explain`."""
-        s, m = self.stages, self.microbatches
+        s, m, v = self.stages, self.microbatches, self.repeats
+        if self.schedule == "circular":
+            chunk = self.layers // (s * v)
+            held = (
+                f"{v} chunks of {chunk} layers each (stage s holds chunks s, s+{s}"
+                + (f", s+{2 * s}" if v > 2 else "")
+                + (", ..." if v > 3 else "")
+                + ")"
+            )
+            schedule = (
+                f"  circular schedule: each microbatch passes the stages {v} times; "
+                f"{self.iterations} iterations forward, then as many backward; bubble "
+                f"(S-1)/(vM+S-1) = {self.bubble:.1%} of each stage's work is discarded"
+            )
+        else:
+            held = f"{self.layers // s} layers each"
+            schedule = (
+                f"  GPipe schedule: {self.iterations} iterations forward, then as many "
+                f"backward; bubble (S-1)/(M+S-1) = {self.bubble:.1%} of each stage's work "
+                "is discarded"
+            )
         lines = [
-            f"scan at {self.line}: {self.layers} layers over {s} stages ({self.layers // s} "
-            f"layers each), {m} microbatches of {self.batch // m} rows",
-            f"  GPipe schedule: {m + s - 1} iterations forward, then as many backward; "
-            f"bubble (S-1)/(M+S-1) = {self.bubble:.1%} of each stage's work is discarded",
+            f"scan at {self.line}: {self.layers} layers over {s} stages ({held}), "
+            f"{m} microbatches of {self.batch // m} rows",
+            schedule,
             f"  carry {', '.join(str(c) for c in self.carry)} moves one stage per iteration "
             "by collective-permute",
         ]
@@ -170,8 +243,8 @@ class PipelinedLoop:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        """A JSON-able record (`Plan.to_json`)."""
-        return {
+        """A JSON-able record (`Plan.to_json`); the schedule only where it is not GPipe."""
+        record = {
             "line": self.line,
             "layers": self.layers,
             "stages": self.stages,
@@ -179,6 +252,9 @@ class PipelinedLoop:
             "batch": self.batch,
             "replicas": list(self.replicas),
         }
+        if self.schedule != "gpipe":
+            record.update(schedule=self.schedule, repeats=self.repeats)
+        return record
 
 
 def replica_axes(plan: Any, pipeline: Pipeline) -> tuple[str, ...]:
@@ -196,6 +272,14 @@ def replica_axes(plan: Any, pipeline: Pipeline) -> tuple[str, ...]:
         if pin.kind is PinKind.MICROBATCHES and len(pin.dims) > 1 and pin.dims[0] == ():
             axes += [a for a in plan.dims[vid][1] or () if a != pipeline.axis and a not in axes]
     return tuple(axes)
+
+
+def _positive_int(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+
+def _bubble(stages: int, microbatches: int, laps: int) -> float:
+    return (stages - 1) / (laps * microbatches + stages - 1)
 
 
 class _Rejected(Exception):
@@ -327,6 +411,7 @@ class _Loop:
             )
         layers = int(np.shape(stacked[0])[0])
         m, s, axis = seen.pipeline.microbatches, seen.stages, seen.pipeline.axis
+        v = seen.pipeline.laps
         n_carry = len(carry)
 
         def flat_body(*flat):
@@ -347,6 +432,23 @@ class _Loop:
         avals = [jax.ShapeDtypeStruct(np.shape(c), jnp.result_type(c)) for c in carry]
         avals += [jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x)) for x in stacked]
         closed = jax.make_jaxpr(flat_body)(*avals)
+        if v > 1 and layers % (s * v):
+            raise ShardingError(
+                f"pipeline over {axis!r}: the scan at {line} has {layers} layers, which "
+                f"{s} stages x {v} repeats (circular schedule) do not divide; use a layer "
+                f"count divisible by {s * v}, or repeats= a divisor of {layers // s}"
+                if layers % s == 0
+                else f"pipeline over {axis!r}: the scan at {line} has {layers} layers, which "
+                f"{s} stages x {v} repeats (circular schedule) do not divide; use a layer "
+                f"count divisible by {s * v}"
+            )
+        if v > 1 and m < s:
+            raise ShardingError(
+                f"pipeline over {axis!r}: the scan at {line} on a circular schedule over {s} "
+                f"stages needs at least {s} microbatches (a microbatch starts its next pass "
+                f"of the stages after it left the last one), got microbatches={m}; use "
+                f"microbatches >= {s}"
+            )
         if layers % s:
             raise ShardingError(
                 f"pipeline over {axis!r}: the scan at {line} has {layers} layers, which the "
@@ -366,11 +468,12 @@ class _Loop:
         micro = _microbatched(analysis, closed, m * r)
         replicas = seen.replicas if r > 1 else ()
         return cls(
-            line=line, layers=layers, stages=s, micro=micro, m=m, axis=axis, consts=consts,
+            line=line, layers=layers, stages=s, micro=micro, m=m, laps=v, axis=axis, consts=consts,
             batch_consts=analysis.batch_consts, carry_tree=carry_tree, xs_tree=xs_tree,
             n_carry=n_carry, reverse=reverse, seen=seen, batch=batch,
             carry_shapes=tuple(tuple(np.shape(c)) for c in carry), r=r, replicas=replicas,
             replica_entry=replicas[0] if len(replicas) == 1 else replicas,
+            chunk_policy=_chunk_policy(micro),
         )  # fmt: skip
 
     def run(self, init, xs):
@@ -382,7 +485,8 @@ class _Loop:
         (``vmap``): each replica then accumulates its own weight gradient over the
         iterations, and the sum over replicas (one all-reduce) happens once, after the
         loop, instead of once per iteration."""
-        s, m, axis, per = self.stages, self.m, self.axis, self.layers // self.stages
+        s, m, laps, axis = self.stages, self.m, self.laps, self.axis
+        per = self.layers // (s * laps)
         r, rep = self.r, self.replica_entry
         carry = jax.tree_util.tree_leaves(init)
         stacked = jax.tree_util.tree_leaves(xs)
@@ -395,8 +499,15 @@ class _Loop:
         def pin(x, spec, origin=slots):
             return hint_p.bind(x, spec=spec, origin=origin)
 
-        stacked = [pin(x.reshape(s, per, *x.shape[1:]), P(axis), layers) for x in stacked]
-        if r > 1:  # (S, R, per, ...): one copy of each stage's layers per replica
+        if laps > 1:  # (S, V, per, ...): stage s holds chunks s, s+S, s+2S, ...
+            stacked = [pin(x.reshape(s, laps, per, *x.shape[1:]), P(axis), layers) for x in stacked]
+            # (S, per, V, ...): the layer scan of a stage steps over per, each layer's V
+            # chunks at hand, the loop's constants as in GPipe
+            stacked = [jnp.swapaxes(x, 1, 2) for x in _interleave(stacked, axis, s, laps)]
+        else:  # (S, per, ...): stage s holds the s-th block of layers
+            stacked = [x.reshape(s, per, *x.shape[1:]) for x in stacked]
+        stacked = [pin(x, P(axis), layers) for x in stacked]
+        if r > 1:  # (S, R, [V,] per, ...): one copy of each stage's layers per replica
             stacked = [
                 pin(jnp.broadcast_to(x[:, None], (s, r, *x.shape[1:])), P(axis, rep), layers)
                 for x in stacked
@@ -415,16 +526,30 @@ class _Loop:
         body = jaxpr_as_fun(self.micro)
         batch_index = {i: n_carry + j for j, (i, _) in enumerate(self.batch_consts)}
 
-        def stage(weights, slot):
+        def stage(weights, slot, chunk=None):
             consts = [slot[batch_index[i]] if i in batch_index else fixed[i] for i in fixed]
 
             def layer(c, w):
                 return tuple(body(*consts, *c, *w)), None
 
+            if chunk is not None:  # each layer's weights of the current pass's chunk
+
+                @functools.partial(jax.checkpoint, policy=self.chunk_policy)
+                def chunk_layer(c, w_all, chunk):
+                    w = [jax.lax.dynamic_index_in_dim(x, chunk, 0, False) for x in w_all]
+                    return tuple(body(*consts, *c, *(checkpoint_name(x, _CHUNK) for x in w)))
+
+                def layer(c, w_all):  # noqa: F811 (the chunk's layer replaces the plain one)
+                    return chunk_layer(c, w_all, chunk), None
+
             c, _ = jax.lax.scan(layer, tuple(slot[:n_carry]), tuple(weights))
             return [*c, *slot[n_carry:]]
 
-        run_stages = jax.vmap(jax.vmap(stage) if r > 1 else stage)
+        if laps > 1:
+            per_replica = jax.vmap(stage, in_axes=(0, 0, None)) if r > 1 else stage
+            run_stages = jax.vmap(per_replica)
+        else:
+            run_stages = jax.vmap(jax.vmap(stage) if r > 1 else stage)
         stage_ids = jnp.arange(s)
 
         def on_stage(mask, v):
@@ -432,13 +557,23 @@ class _Loop:
 
         def tick(state, t):
             buf, outs = state
-            feed = [jax.lax.dynamic_index_in_dim(v, jnp.minimum(t, m - 1), 0, False) for v in micro]
-            first = (stage_ids == 0) & (t < m)
+            if laps > 1:  # a microbatch's later passes start from its last stage output
+                j = t % m
+                feed = [jax.lax.dynamic_index_in_dim(v, j, 0, False) for v in outs]
+                feed += [jax.lax.dynamic_index_in_dim(v, j, 0, False) for v in micro[n_carry:]]
+            else:
+                j = jnp.minimum(t, m - 1)
+                feed = [jax.lax.dynamic_index_in_dim(v, j, 0, False) for v in micro]
+            first = (stage_ids == 0) & (t < laps * m)
             buf = [jnp.where(on_stage(first, b), f[None], b) for f, b in zip(feed, buf)]
             buf = [pin(b, slot_spec) for b in buf]
-            buf = [pin(b, slot_spec) for b in run_stages(stacked, buf)]
+            if laps > 1:  # stage s is on pass (t - s) // M of its microbatch
+                chunk = jnp.clip((t - stage_ids) // m, 0, laps - 1)
+                buf = [pin(b, slot_spec) for b in run_stages(stacked, buf, chunk)]
+            else:
+                buf = [pin(b, slot_spec) for b in run_stages(stacked, buf)]
             last = stage_ids == s - 1
-            j = jnp.clip(t - (s - 1), 0, m - 1)
+            j = (t - (s - 1)) % m if laps > 1 else jnp.clip(t - (s - 1), 0, m - 1)
             new_outs = []
             for o, b in zip(outs, buf[:n_carry]):
                 done = jnp.sum(jnp.where(on_stage(last, b), b, jnp.zeros_like(b)), axis=0)
@@ -450,16 +585,131 @@ class _Loop:
 
         first_slot = [jnp.broadcast_to(v[0], (s, *v.shape[1:])) for v in micro]
         buf = [pin(b, slot_spec) for b in first_slot]
-        outs = [pin(jnp.zeros_like(v), micro_spec, whole) for v in micro[:n_carry]]
-        (_, outs), _ = jax.lax.scan(tick, (buf, outs), jnp.arange(m + s - 1))
+        # circular: one array holds each microbatch's latest carry (its input, then its
+        # output after each pass), read at the start of every pass
+        start = (lambda v: v) if laps > 1 else jnp.zeros_like
+        outs = [pin(start(v), micro_spec, whole) for v in micro[:n_carry]]
+        (_, outs), _ = jax.lax.scan(tick, (buf, outs), jnp.arange(laps * m + s - 1))
+        schedule = "circular" if laps > 1 else "gpipe"  # one chunk per stage is GPipe
         self.seen.loops.append(
             PipelinedLoop(self.line, self.layers, s, m, self.batch, self.carry_shapes,
-                          len(self.batch_consts), self.replicas if r > 1 else ())
+                          len(self.batch_consts), self.replicas if r > 1 else (), schedule,
+                          laps)
         )  # fmt: skip
         if r > 1:  # (M, R, rows/R, ...) -> (M, rows, ...)
             outs = [o.reshape(o.shape[0], o.shape[1] * o.shape[2], *o.shape[3:]) for o in outs]
         new_carry = [_join(o) for o in outs]
         return jax.tree_util.tree_unflatten(self.carry_tree, new_carry), None
+
+
+# a circular stage's weights for the current pass are a slice of its chunks, taken per
+# layer inside a checkpoint that recomputes it for the backward pass: saved, the loop
+# would keep a copy of the chunk's weights per iteration; recomputed, it keeps the
+# stored chunks once, as GPipe keeps its stage's layers
+_CHUNK = "jaxshard_pipeline_chunk"
+
+
+def _chunk_policy(body: ClosedJaxpr):
+    """The checkpoint policy of a circular stage's layer: the body's own where the body
+    is one `jax.checkpoint` (an outer policy overrides an inner one, so the outer one
+    is the body's), else save everything as the plain body does; never the chunk's
+    weights (`_CHUNK`)."""
+    eqns = body.jaxpr.eqns
+    if len(eqns) == 1 and eqns[0].primitive is prims.remat_p:
+        base = eqns[0].params["policy"] or jax.checkpoint_policies.nothing_saveable
+    else:
+        base = jax.checkpoint_policies.everything_saveable
+
+    def policy(prim, *args, **params):
+        return params.get("name") != _CHUNK and base(prim, *args, **params)
+
+    return policy
+
+
+def _interleave(stacked: list, axis: str, stages: int, laps: int) -> list:
+    """(S, V, per, ...) stacks stored in layer order (stage d holds chunks d·V ... d·V+V−1,
+    the layout of the user's (L, ...) array split over ``axis``) -> the circular layout
+    (stage e holds chunks e, e+S, e+2S, ...).
+
+    Forward, a reshape and a transpose, which the planner sees through (a layout the
+    uses give the chunks reaches the stored stack) and XLA moves with an all-to-all.
+    Backward, the gradients go back by `_move_chunks`: every stage sends V chunks and
+    receives V, in V rounds of one collective-permute of a chunk each (the reshape's own
+    transpose would gather the whole stack on every stage)."""
+    move = jax.custom_vjp(functools.partial(_chunks_in_ring_order, stages, laps))
+    back = functools.partial(_move_chunks, axis=axis, rounds=_chunk_rounds(stages, laps, True))
+    move.defvjp(lambda x: (move(x), None), lambda _, g: (back(g),))
+    return [move(x) for x in stacked]
+
+
+def _chunks_in_ring_order(stages: int, laps: int, x):
+    flat = x.reshape(stages * laps, *x.shape[2:])  # chunk c = d·V + i
+    return jnp.swapaxes(flat.reshape(laps, stages, *x.shape[2:]), 0, 1)  # [e, j]: c = j·S + e
+
+
+def _move_chunks(x, axis: str, rounds: list):
+    """``x`` (S, V, ...) split over ``axis`` with each stage's V chunks moved by
+    ``rounds`` (`_chunk_rounds`): one collective-permute per round."""
+
+    def body(block):
+        me = jax.lax.axis_index(axis)
+        local, got = block[0], jnp.zeros_like(block[0])
+        for pairs, send, recv in rounds:
+            chunk = jax.lax.dynamic_index_in_dim(local, jnp.asarray(send)[me], 0, False)
+            moving = [(d, e) for d, e in pairs if d != e]  # a chunk that stays is not sent
+            if moving:
+                stays = jnp.asarray([(d, d) in pairs for d in range(len(pairs))])[me]
+                chunk = jnp.where(stays, chunk, jax.lax.ppermute(chunk, axis, moving))
+            got = jax.lax.dynamic_update_index_in_dim(got, chunk, jnp.asarray(recv)[me], 0)
+        return got[None]
+
+    return jax.shard_map(body, in_specs=P(axis), out_specs=P(axis), axis_names={axis})(x)
+
+
+def _chunk_rounds(
+    stages: int, laps: int, back: bool = False
+) -> list[tuple[list, list[int], list[int]]]:
+    """The moves from layer order to ring order (``back``: the other way) in rounds: per
+    round the (source, destination) stage pairs, the local chunk each stage sends and
+    the local slot each stage receives into. Chunk c is at stage c // V, slot c % V in
+    layer order and at stage c % S, slot c // S in ring order; the transfers form a
+    V-regular bipartite multigraph, which splits into V perfect matchings (König),
+    found one at a time by augmenting paths.
+
+    Example:
+        >>> [pairs for pairs, _, _ in _chunk_rounds(2, 2)]
+        [[(0, 1), (1, 0)], [(0, 0), (1, 1)]]
+    """
+    if back:
+        return [
+            ([(e, d) for d, e in pairs], recv, send)
+            for pairs, send, recv in _chunk_rounds(stages, laps)
+        ]
+    left = {d: [(c % stages, c) for c in range(d * laps, (d + 1) * laps)] for d in range(stages)}
+    rounds = []
+    for _ in range(laps):
+        match: dict[int, tuple[int, int]] = {}  # destination -> (source, chunk)
+
+        def augment(d: int, seen: set) -> bool:
+            for e, c in left[d]:
+                if e in seen:
+                    continue
+                seen.add(e)
+                if e not in match or augment(match[e][0], seen):
+                    match[e] = (d, c)
+                    return True
+            return False
+
+        for d in range(stages):
+            if not augment(d, set()):  # a regular bipartite multigraph always has one
+                raise AssertionError("no perfect matching of the pipeline's chunks")
+        send, recv, pairs = [0] * stages, [0] * stages, []
+        for e, (d, c) in sorted(match.items(), key=lambda kv: kv[1][0]):
+            left[d].remove((e, c))
+            pairs.append((d, e))
+            send[d], recv[e] = c % laps, c // stages
+        rounds.append((pairs, send, recv))
+    return rounds
 
 
 def _split(v, d: int, m: int):

@@ -32,7 +32,8 @@ The format (version 2), one JSON object:
     One layout per result leaf, as in ``dims``, without ``null``.
 ``pipeline`` (optional)
     One object per pipelined scan: ``{"line": text, "layers": n, "stages": n,
-    "microbatches": n, "batch": n, "replicas": [axis, ...]}``.
+    "microbatches": n, "batch": n, "replicas": [axis, ...]}``, plus ``"schedule":
+    "circular", "repeats": n`` for a circular pipeline.
 """
 
 from __future__ import annotations
@@ -331,10 +332,13 @@ class _Check:
         keys = ("batch", "layers", "line", "microbatches", "replicas", "stages")
         for i, loop in enumerate(self.list_of("pipeline", loops)):
             where = f"pipeline[{i}]"
-            self.obj(where, loop, keys)
+            circular = isinstance(loop, dict) and "schedule" in loop
+            self.obj(where, loop, keys + (("repeats", "schedule") if circular else ()))
             self.text(f"{where}.line", loop["line"])
-            for key in _PIPELINE_INTS:
+            for key in _PIPELINE_INTS + (("repeats",) if circular else ()):
                 self.count(f"{where}.{key}", loop[key], 1)
+            if circular and loop["schedule"] != "circular":
+                self.fail(f"{where}.schedule", loop["schedule"], '"circular" (GPipe is unnamed)')
             for k, axis in enumerate(self.list_of(f"{where}.replicas", loop["replicas"])):
                 if not isinstance(axis, str) or axis not in axes:
                     self.fail(f"{where}.replicas[{k}]", axis, f"a mesh axis ({list(axes)})")

@@ -20,12 +20,14 @@ communication (the gradient of a vocabulary-parallel embedding).
 from __future__ import annotations
 
 from jax.extend.core import JaxprEqn
+from jax.lax import GatherScatterMode
 from jax.extend.core import primitives as p
 
 from jaxshard.jax_compat import scatter_sub_p
 from jaxshard.rule import FactorKind, Rule, RuleBuilder, register_rule, shapes_of
 
 NEED = FactorKind.NEED_REPLICATION
+_CLAMPED = (GatherScatterMode.CLIP, GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
 @register_rule(p.gather_p)
@@ -56,12 +58,17 @@ def gather_rule(eqn: JaxprEqn) -> Rule:
         if d not in dn.collapsed_slice_dims and d not in operand_batch
     ]
     out_of_operand_dim = dict(zip(windowed, offset_dims))
+    # a start index into a dim the slice takes whole is clamped to 0 (a vmapped
+    # dynamic_slice indexes every dim): the dim passes through as if not indexed
+    clamped = eqn.params["mode"] in _CLAMPED
     factor_of_index_dim = {}
     for d, size in enumerate(operand):
         if d in operand_batch:
             i = operand_batch[d]
             factor_of_index_dim[i] = b.add_factor({0: d, 1: i}, {0: out_of_index_dim[i]}, size)
-        elif d in out_of_operand_dim and slice_sizes[d] == size and d not in dn.start_index_map:
+        elif d in out_of_operand_dim and slice_sizes[d] == size and (
+            d not in dn.start_index_map or clamped
+        ):
             b.add_factor({0: d}, {0: out_of_operand_dim[d]}, size)
         elif slice_sizes[d] == 1 and size > 1:
             b.add_factor({0: d}, {}, size, FactorKind.REDUCTION, indexed=True)

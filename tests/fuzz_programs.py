@@ -635,6 +635,14 @@ class PipeCase:
     hints: dict[str, P] = field(default_factory=dict)
     replicate: bool = False
     d: int = 8
+    repeats: int = 1  # above 1: the circular schedule with this many chunks per stage
+
+    def pipeline(self):
+        """The `jaxshard.Pipeline` over the (stage=2, ...) mesh this case runs with."""
+        schedule = "circular" if self.repeats > 1 else "gpipe"
+        return jaxshard.Pipeline(
+            "stage", self.microbatches, self.replicate, schedule=schedule, repeats=self.repeats
+        )
 
     def source(self) -> str:
         shape = (self.batch, self.seq, self.d) if self.seq else (self.batch, self.d)
@@ -676,15 +684,20 @@ class PipeCase:
         hints = ", ".join(f"{k!r}: {spec_text(v)}" for k, v in self.hints.items())
         return (
             f"{self.source()}\n# layers={self.layers} batch={self.batch} seq={self.seq} "
-            f"microbatches={self.microbatches} replicate={self.replicate} hints={{{hints}}}"
+            f"microbatches={self.microbatches} replicate={self.replicate} "
+            f"repeats={self.repeats} hints={{{hints}}}"
         )
 
 
 @st.composite
 def pipe_cases(draw) -> PipeCase:
-    """A random layer stack that a 2-stage pipeline must run like the plain step."""
+    """A random layer stack that a 2-stage pipeline must run like the plain step, on
+    the GPipe or the circular schedule."""
     layers = draw(st.sampled_from((2, 4, 6)))
     microbatches = draw(st.sampled_from((1, 2, 4)))
+    # circular: chunks of the 2 stages' layers, at least 2 microbatches
+    repeats = [v for v in (2, 3) if layers % (2 * v) == 0 and microbatches >= 2]
+    repeats = draw(st.sampled_from([1] + repeats))
     batch = microbatches * draw(st.sampled_from((2, 4)))
     seq = draw(st.sampled_from((0, 4)))
     body = tuple(draw(st.lists(st.sampled_from(PIPE_OPS), min_size=1, max_size=4)))
@@ -694,4 +707,4 @@ def pipe_cases(draw) -> PipeCase:
     if draw(st.booleans()):
         hints[r"p/a"] = P(None, None, "model")
     remat, replicate = draw(st.booleans()), draw(st.booleans())
-    return PipeCase(layers, batch, seq, body, remat, microbatches, hints, replicate)
+    return PipeCase(layers, batch, seq, body, remat, microbatches, hints, replicate, 8, repeats)

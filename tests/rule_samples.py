@@ -341,6 +341,13 @@ SAMPLES += [
     ("gather-columns", lambda x, i: x[:, i], (X, _index(8, 4))),
     ("take-clip", lambda x, i: jnp.take(x, i, axis=1, mode="clip"), (X, _index(8, 2))),
     ("gather-point", lambda x, i, j: x[i, j], (X, _index(4, 4), _index(8, 4))),
+    (  # a per-row dynamic index (a circular pipeline's chunk): the whole dims pass
+        "vmapped-dynamic-index",
+        jax.vmap(lambda w, i: jax.lax.dynamic_index_in_dim(w, i, 0, False)),
+        # data of its own: drawing from the shared generator would change every later
+        # sample's (a reduction's rounding is then checked on other numbers)
+        (np.linspace(-2, 2, 256, dtype=np.float32).reshape(4, 2, 8, 4), _index(2, 4)),
+    ),
     (
         "embedding-grad",
         lambda i, u: jnp.zeros((16, 8)).at[i].add(u),

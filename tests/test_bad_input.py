@@ -581,6 +581,44 @@ def test_sizes_that_do_not_divide(pipe_mesh, layers, batch, microbatches, error)
     assert "test_bad_input.py" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "layers, microbatches, repeats, error",
+    [
+        (4, 4, 4, r"has 4 layers, which 2 stages x 4 repeats \(circular schedule\) do not "
+         r"divide; use a layer count divisible by 8, or repeats= a divisor of 2"),
+        (6, 4, 2, r"has 6 layers, which 2 stages x 2 repeats \(circular schedule\) do not "
+         r"divide; use a layer count divisible by 4, or repeats= a divisor of 3"),
+        (4, 1, 2, r"on a circular schedule over 2 stages needs at least 2 microbatches .* got "
+         r"microbatches=1"),
+    ],
+)  # fmt: skip
+def test_circular_sizes_that_do_not_fit(pipe_mesh, layers, microbatches, repeats, error):
+    def loss(params, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params)
+        return jnp.sum(h)
+
+    pipeline = Pipeline("stage", microbatches, schedule="circular", repeats=repeats)
+    piped = jaxshard.auto_shard(pipe_mesh, pipeline=pipeline)
+    with pytest.raises(ShardingError, match=error) as e:
+        piped(jax.grad(loss)).plan(jnp.ones((layers, 8, 8)), jnp.ones((8, 8)))
+    assert "test_bad_input.py" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"schedule": "1f1b"}, r"does not run the one-forward-one-backward schedule"),
+        ({"schedule": "zigzag"}, r"schedule='zigzag'\): one of \('gpipe', 'circular'\)"),
+        ({"repeats": 2}, r"repeats=2\) applies to schedule='circular' only"),
+        ({"schedule": "circular", "repeats": 0}, r"repeats=0\): give a positive int"),
+        ({"schedule": "circular", "repeats": 2.0}, r"repeats=2.0\): give a positive int"),
+    ],
+)
+def test_bad_schedule(kwargs, error):
+    with pytest.raises(ShardingError, match=error):
+        Pipeline("stage", 4, **kwargs)
+
+
 def test_pipeline_axis_missing_from_mesh(mesh):
     with pytest.raises(ShardingError, match=r"Pipeline\(axis='stage'\) is not an axis of the mesh"):
         jaxshard.auto_shard(mesh, pipeline=Pipeline("stage", 2))(lambda x: x)

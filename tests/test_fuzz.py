@@ -371,11 +371,10 @@ def test_model_sgd_steps_match_unsharded_with_fresh_data(mesh, name):
 @given(case=pipe_cases())
 def test_pipelined_stack_matches_unsharded(case, pipe_mesh):
     """A scanned layer stack pipelined over 2 stages gives the plain step's loss and
-    gradients, whatever its body, microbatches and hints."""
+    gradients, whatever its body, microbatches, hints and schedule."""
     fn, (p, x, mask) = case.fn(), case.inputs()
     want = jax.jit(fn)(p, x, mask)
-    pipeline = jaxshard.Pipeline("stage", case.microbatches, replicate=case.replicate)
-    got = jaxshard.auto_shard(pipe_mesh, case.hints, pipeline=pipeline)(fn)(p, x, mask)
+    got = jaxshard.auto_shard(pipe_mesh, case.hints, pipeline=case.pipeline())(fn)(p, x, mask)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     assert_leaves_match(got[1], want[1])
 
