@@ -131,6 +131,8 @@ class Graph:
     # while building: per primitive its registry entries; per equation object its rule
     dispatch: dict[Any, tuple] = field(default_factory=dict, repr=False)
     eqn_rules: dict[int, Rule] = field(default_factory=dict, repr=False)
+    # results computed from the finished graph, kept for the next asker (`dead_apps`)
+    memo: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def new_value(self, aval: Any) -> int:
         shapes = self.shapes

@@ -649,6 +649,9 @@ def dead_apps(g: Graph) -> set[int]:
         >>> dead_apps(plan.graph)  # doctest: +SKIP
         {12, 13}
     """
+    cached = g.memo.get("dead_apps")
+    if cached is not None and cached[0] == len(g.apps):  # planning asks more than once
+        return cached[1]
     readers = [0] * len(g.shapes)
     for app in g.apps:
         for v in app.operands:
@@ -675,30 +678,49 @@ def dead_apps(g: Graph) -> set[int]:
             p = producer.get(v)
             if readers[v] == 0 and p is not None and not any(readers[r] for r in g.apps[p].results):
                 work.append(p)
-    return dead
+    g.memo["dead_apps"] = (len(g.apps), frozenset(dead))
+    return g.memo["dead_apps"][1]
 
 
-def duplicate_app(app, seen: set) -> bool:
+def duplicate_app(app, seen: dict) -> bool:
     """True for an equation identical to an earlier one (same primitive, operands and
     params), which XLA's common-subexpression elimination merges; ``seen`` collects the
     equations met so far.
 
     Example:
-        >>> seen = set()
+        >>> seen = {}
         >>> [duplicate_app(app, seen) for app in plan.graph.apps]  # doctest: +SKIP
         [False, False, True]
     """
     if app.eqn is None:
         return False
+    head = (app.eqn.primitive, app.operands)
+    # the params are compared only between equations of one primitive on the same
+    # operands (sorting every equation's params was a tenth of `decide`)
+    earlier = seen.get(head)
+    if earlier is None:
+        seen[head] = [app.eqn.params]
+        return False
+    key = _params_key(app.eqn.params)
+    if key is None:
+        return False
+    for k, params in enumerate(earlier):
+        if isinstance(params, Mapping):  # an earlier equation's params, keyed lazily
+            params = earlier[k] = _params_key(params)
+        if params == key:
+            return True
+    earlier.append(key)
+    return False
+
+
+def _params_key(params: Mapping) -> tuple | None:
+    """Hashable params, or None when some value is not (never a duplicate then)."""
+    key = tuple(sorted(params.items()))
     try:
-        key = (app.eqn.primitive, app.operands, tuple(sorted(app.eqn.params.items())))
         hash(key)
     except TypeError:
-        return False
-    if key in seen:
-        return True
-    seen.add(key)
-    return False
+        return None
+    return key
 
 
 def analyzed_apps(g: Graph, prop: Propagator) -> list[int]:
@@ -710,7 +732,7 @@ def analyzed_apps(g: Graph, prop: Propagator) -> list[int]:
         >>> analyzed_apps(plan.graph, prop)  # doctest: +SKIP
         [3, 7, 12]
     """
-    seen: set = set()
+    seen: dict = {}
     dead = dead_apps(g)
     return [
         a
@@ -1402,7 +1424,7 @@ def split_for_memory(
         return []
     dead = dead_apps(graph)
     live, runs = liveness(graph, dead), executions(graph)
-    seen: set = set()
+    seen: dict = {}
     apps = [a for a, app in enumerate(graph.apps) if a not in dead and not duplicate_app(app, seen)]
     base = _Pricing(prop, live, runs, apps, reduce_scatter)
     spent, memory = 0.0, base.memory.total

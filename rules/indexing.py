@@ -20,8 +20,8 @@ communication (the gradient of a vocabulary-parallel embedding).
 from __future__ import annotations
 
 from jax.extend.core import JaxprEqn
-from jax.lax import GatherScatterMode
 from jax.extend.core import primitives as p
+from jax.lax import GatherScatterMode
 
 from jaxshard.jax_compat import scatter_sub_p
 from jaxshard.rule import FactorKind, Rule, RuleBuilder, register_rule, shapes_of
@@ -66,8 +66,10 @@ def gather_rule(eqn: JaxprEqn) -> Rule:
         if d in operand_batch:
             i = operand_batch[d]
             factor_of_index_dim[i] = b.add_factor({0: d, 1: i}, {0: out_of_index_dim[i]}, size)
-        elif d in out_of_operand_dim and slice_sizes[d] == size and (
-            d not in dn.start_index_map or clamped
+        elif (
+            d in out_of_operand_dim
+            and slice_sizes[d] == size
+            and (d not in dn.start_index_map or clamped)
         ):
             b.add_factor({0: d}, {0: out_of_operand_dim[d]}, size)
         elif slice_sizes[d] == 1 and size > 1:

@@ -227,7 +227,6 @@ def test_circular_schedule_explained_with_its_bubble(circular_runs):
 
 def test_circular_schedule_compiles_to_its_iterations_and_chunk_moves(circular_runs, pipe_mesh):
     piped, _, _, args = circular_runs
-    plan = piped.plan(*args)
     compiled = piped.lower(*args).compile()
     stage_permutes = [
         c
@@ -266,7 +265,7 @@ def test_circular_plan_saved_and_loaded(circular_runs, pipe_mesh):
 
 @pytest.mark.parametrize("stages, repeats", [(2, 2), (4, 2), (2, 4), (4, 3), (3, 4), (8, 2)])
 def test_chunk_moves_put_every_chunk_in_ring_order_and_back(stages, repeats):
-    from jaxshard.pipeline import _chunk_rounds
+    from jaxshard.pipeline_moves import chunk_rounds
 
     def moved(rounds, where):  # where[(stage, slot)] = chunk -> after the rounds
         out = {}
@@ -277,6 +276,6 @@ def test_chunk_moves_put_every_chunk_in_ring_order_and_back(stages, repeats):
         return out
 
     layer_order = {(c // repeats, c % repeats): c for c in range(stages * repeats)}
-    ring = moved(_chunk_rounds(stages, repeats), layer_order)
+    ring = moved(chunk_rounds(stages, repeats), layer_order)
     assert all(ring[(c % stages, c // stages)] == c for c in range(stages * repeats))
-    assert moved(_chunk_rounds(stages, repeats, back=True), ring) == layer_order
+    assert moved(chunk_rounds(stages, repeats, back=True), ring) == layer_order

@@ -679,7 +679,7 @@ class Problem(MemoryModel):
         all-reduces of partial results, gathers for need-replication factors."""
         g = self.graph
         sigs: dict[tuple, list] = {}
-        seen: set = set()
+        seen: dict = {}
         runs = executions(g)
         special: dict[int, tuple] = {}
         for a, app in enumerate(g.apps):
