@@ -675,11 +675,11 @@ def written_collectives(graph, dims, axis_sizes: Mapping[str, int]) -> list[Writ
             continue
         body = getattr(body, "jaxpr", body)
         manual = set(b.eqn.params.get("newly_manual_axes") or axis_sizes)
-        outer = b.operands[0]
-        auto = [tuple(a for a in (d or ()) if a not in manual) for d in dims[outer]]
-        inner = body.invars[0].aval
-        whole = nbytes(inner.shape, inner.dtype)
-        auto_shards = shards(auto, axis_sizes) if whole else 1
+        auto_shards = [
+            shards([tuple(a for a in (d or ()) if a not in manual) for d in dims[v]], axis_sizes)
+            for v in b.operands
+        ]
+        source = _body_sources(body)
         runs, in_while = count(b.where)
         for eqn in body.eqns:
             found = _WRITTEN.get(eqn.primitive.name)
@@ -688,11 +688,27 @@ def written_collectives(graph, dims, axis_sizes: Mapping[str, int]) -> list[Writ
             kind, param = found
             axes = eqn.params.get(param, ())
             axes = (axes,) if isinstance(axes, str) else tuple(axes)
-            aval = (eqn.outvars if kind in ("all-gather", "reduce-scatter") else eqn.invars)[0].aval
-            local = nbytes(aval.shape, aval.dtype) // auto_shards
+            var = (eqn.outvars if kind in ("all-gather", "reduce-scatter") else eqn.invars)[0]
+            split = auto_shards[source[var]] if var in source else 1
+            local = nbytes(var.aval.shape, var.aval.dtype) // split
             group = math.prod(axis_sizes.get(a, 1) for a in axes)
             out.append(WrittenCollective(kind, axes, local, group, runs, in_while, b.line))
     return out
+
+
+def _body_sources(body) -> dict:
+    """Per value of a `shard_map` body, the operand it is computed from (of several, the
+    largest): its layout along the automatic axes is that operand's, a slice of the
+    manual dim or an elementwise step away (operands a body closes over, index tables,
+    come first and are small)."""
+    source = {v: i for i, v in enumerate(body.invars)}
+    for eqn in body.eqns:
+        found = [v for v in eqn.invars if not isinstance(v, Literal) and v in source]
+        if found:
+            largest = max(found, key=lambda v: math.prod(v.aval.shape))
+            for out in eqn.outvars:
+                source[out] = source[largest]
+    return source
 
 
 def step_bytes(plan) -> float:

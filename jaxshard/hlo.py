@@ -345,8 +345,9 @@ def _permute_axes(rest: str, mesh) -> tuple[frozenset[str], int]:
 
 
 def compiled_collectives(hlo_text: str, mesh) -> list[Collective]:
-    """Every collective transfer in compiled HLO text: one per (tuple) operand, with the
-    times it runs per call (`computation_runs`).
+    """Every collective transfer in compiled HLO text: one per (tuple) operand (a tuple
+    all-to-all, one operand per device of its group, is one transfer), with the times it
+    runs per call (`computation_runs`).
 
     Example:
         >>> compiled_collectives(compiled.as_text(), mesh)  # doctest: +SKIP
@@ -374,6 +375,9 @@ def compiled_collectives(hlo_text: str, mesh) -> list[Collective]:
                 sizes = sizes[len(sizes) // 2 :]  # -start returns (operands, results)
             elif start and kind == "collective-permute":
                 sizes = sizes[:1]
+            elif kind == "all-to-all" and "dimensions=" not in rest and len(sizes) == size > 1:
+                # the tuple form: operand i goes to the group's i-th device, one exchange
+                sizes = [sum(sizes)]
             out.extend(Collective(kind, axes, local, size, times) for local in sizes)
     return out
 

@@ -117,6 +117,7 @@ def scatter_rule(eqn: JaxprEqn, combinable: bool) -> Rule:
     index_batch = list(range(len(indices) - 1))
     update_of_index_dim = dict(zip(index_batch, scatter_update_dims))
     indexed = set(dn.scatter_dims_to_operand_dims)
+    clamped = eqn.params["mode"] in _CLAMPED  # as in `gather_rule`
     batch_index_dims = set(operand_batch.values())
     for d, size in enumerate(operand):
         if d in operand_batch:
@@ -125,7 +126,7 @@ def scatter_rule(eqn: JaxprEqn, combinable: bool) -> Rule:
         elif (
             d in update_of_operand_dim
             and updates[update_of_operand_dim[d]] == size
-            and d not in indexed
+            and (d not in indexed or clamped)
         ):
             b.add_factor({0: d, 2: update_of_operand_dim[d]}, {0: d}, size)
         elif d in indexed and (

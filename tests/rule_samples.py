@@ -333,6 +333,8 @@ SAMPLES += [
 TABLE = _f32(16, 8)
 IDS = _index(16, 4, 2)
 
+_VMAPPED_INDEX = jax.vmap(lambda w, i: jax.lax.dynamic_index_in_dim(w, i, 0, False))
+
 SAMPLES += [
     ("embedding-lookup", lambda t, i: t[i], (TABLE, IDS)),
     ("take_along_axis", lambda x, i: jnp.take_along_axis(x, i, 1), (X, _index(8, 4, 8))),
@@ -343,10 +345,19 @@ SAMPLES += [
     ("gather-point", lambda x, i, j: x[i, j], (X, _index(4, 4), _index(8, 4))),
     (  # a per-row dynamic index (a circular pipeline's chunk): the whole dims pass
         "vmapped-dynamic-index",
-        jax.vmap(lambda w, i: jax.lax.dynamic_index_in_dim(w, i, 0, False)),
+        _VMAPPED_INDEX,
         # data of its own: drawing from the shared generator would change every later
         # sample's (a reduction's rounding is then checked on other numbers)
         (np.linspace(-2, 2, 256, dtype=np.float32).reshape(4, 2, 8, 4), _index(2, 4)),
+    ),
+    (  # its gradient: a scatter-add whose whole dims pass too
+        "vmapped-dynamic-index-grad",
+        lambda w, i, g: jax.vjp(lambda w: _VMAPPED_INDEX(w, i), w)[1](g)[0],
+        (
+            np.linspace(-2, 2, 256, dtype=np.float32).reshape(4, 2, 8, 4),
+            _index(2, 4),
+            np.linspace(-1, 1, 128, dtype=np.float32).reshape(4, 8, 4),
+        ),
     ),
     (
         "embedding-grad",

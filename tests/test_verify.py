@@ -333,6 +333,20 @@ def test_collectives_of_a_tuple_all_reduce_count_each_operand(mesh):
     ]
 
 
+def test_a_tuple_all_to_all_is_one_exchange(mesh):
+    # operand i goes to the group's i-th device: one all-to-all of them together (as the
+    # plan predicts it), where an all-to-all over a dim (``dimensions=``) is one per operand
+    tuple_form = (
+        "  %a2a = (f32[1,64]{1,0}, f32[1,64]{1,0}) all-to-all(%a, %b), channel_id=1, "
+        "replica_groups={{0,4},{1,5},{2,6},{3,7}}"
+    )
+    assert compiled_collectives(tuple_form, mesh) == [
+        Collective("all-to-all", frozenset({"data"}), 512)
+    ]
+    combined = tuple_form.replace("channel_id=1,", "channel_id=1, dimensions={0},")
+    assert [c.bytes for c in compiled_collectives(combined, mesh)] == [256, 256]
+
+
 @pytest.mark.parametrize("dtype", ["f8e4m3fn", "f8e5m2", "s4", "u4", "bf16"])
 def test_collectives_of_narrow_dtypes_are_counted(mesh, dtype):
     # fp8 and int4 collectives (quantized training) must be seen and sized like any other
