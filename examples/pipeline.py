@@ -4,12 +4,13 @@ The step is `models.make_train_step` of `models.llama_loss`: the usual
 `jax.value_and_grad` of a loss whose layers run as `jax.lax.scan` over stacked
 parameters with a `jax.checkpoint`ed body, then an optax update. `auto_shard` with
 ``pipeline=jaxshard.Pipeline("stage", microbatches)`` runs the scan as a GPipe pipeline
+(``--repeats 2``: a circular one, each stage holding two chunks of layers)
 over the stage axis of a (stage=2, data=2, model=2) mesh, with tensor parallelism inside
 each stage and the batch on (data, stage). The example prints the plan's pipeline
 section, checks the losses and the parameters after SGD steps against the unsharded
 `jax.jit` step, and reads the collective-permutes and memory from the compiled program.
 
-    python examples/pipeline.py [--steps 2] [--microbatches 4]
+    python examples/pipeline.py [--steps 2] [--microbatches 4] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="above 1: the circular schedule, chunks per stage"
+    )
     args = parser.parse_args(argv)
 
     cfg = models.LlamaConfig(n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, seq=32, d_ff=256)
@@ -57,7 +61,10 @@ def main(argv=None) -> None:
     train_step = models.make_train_step(functools.partial(models.llama_loss, cfg=cfg), opt)
 
     mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
-    pipeline = jaxshard.Pipeline(axis="stage", microbatches=args.microbatches)
+    schedule = "circular" if args.repeats > 1 else "gpipe"
+    pipeline = jaxshard.Pipeline(
+        axis="stage", microbatches=args.microbatches, schedule=schedule, repeats=args.repeats
+    )
     step = jaxshard.auto_shard(mesh, HINTS, pipeline=pipeline)(train_step)
     plan = step.plan(params, opt.init(params), batch)
     explained = plan.explain()

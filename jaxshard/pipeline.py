@@ -202,7 +202,7 @@ class PipelinedLoop:
         if self.schedule == "circular":
             chunk = self.layers // (s * v)
             held = (
-                f"{v} chunks of {chunk} layers each (stage s holds chunks s, s+{s}"
+                f"{v} chunks of {_layers(chunk)} each (stage s holds chunks s, s+{s}"
                 + (f", s+{2 * s}" if v > 2 else "")
                 + (", ..." if v > 3 else "")
                 + ")"
@@ -213,7 +213,7 @@ class PipelinedLoop:
                 f"(S-1)/(vM+S-1) = {self.bubble:.1%} of each stage's work is discarded"
             )
         else:
-            held = f"{self.layers // s} layers each"
+            held = f"{_layers(self.layers // s)} each"
             schedule = (
                 f"  GPipe schedule: {self.iterations} iterations forward, then as many "
                 f"backward; bubble (S-1)/(M+S-1) = {self.bubble:.1%} of each stage's work "
@@ -268,6 +268,10 @@ def replica_axes(plan: Any, pipeline: Pipeline) -> tuple[str, ...]:
         if pin.kind is PinKind.MICROBATCHES and len(pin.dims) > 1 and pin.dims[0] == ():
             axes += [a for a in plan.dims[vid][1] or () if a != pipeline.axis and a not in axes]
     return tuple(axes)
+
+
+def _layers(n: int) -> str:
+    return f"{n} layer" + ("s" if n != 1 else "")
 
 
 def _positive_int(n: Any) -> bool:

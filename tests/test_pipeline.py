@@ -219,7 +219,7 @@ def test_circular_schedule_explained_with_its_bubble(circular_runs):
     assert (loop.schedule, loop.repeats, loop.iterations) == ("circular", 2, 2 * 4 + 2 - 1)
     assert loop.bubble == pytest.approx(1 / 9)  # (S-1)/(vM+S-1), against GPipe's 1/5
     text = plan.explain()
-    assert "2 chunks of 1 layers each (stage s holds chunks s, s+2)" in text
+    assert "2 chunks of 1 layer each (stage s holds chunks s, s+2)" in text
     assert "bubble (S-1)/(vM+S-1) = 11.1%" in text
     # the layouts the layers' uses give reach the stored stacks through the chunks' moves
     assert plan.in_specs[0]["layers"]["wk"] == P("stage", None, "model")
