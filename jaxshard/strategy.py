@@ -22,7 +22,9 @@ stage count that divides the layers, with the most microbatches of 4S, 2S or S t
 split the batch. A pipeline whose lower bound (the program's FLOPs spread over every
 device and stretched by the bubble, plus the activations it hands between stages) is
 no faster than the best candidate found is pruned without being searched. The best
-pipeline searched is weighed again with its batch axes split into ``data`` x ``fsdp``
+pipeline searched is weighed again on the circular schedule, where its layers split
+into two chunks per stage (half the bubble, twice the transfers), and then with its
+batch axes split into ``data`` x ``fsdp``
 (up to four axes: ``stage``, ``data``, ``fsdp``, ``tensor``).
 """
 
@@ -85,11 +87,16 @@ class Candidate:
     plan: Plan | None = field(default=None, repr=False)
     seconds: float = 0.0
     microbatches: int = 0  # with a ``stage`` axis: the pipeline's microbatches
+    repeats: int = 1  # above 1: the circular schedule, layer chunks per stage
 
     @property
     def pipeline(self) -> Pipeline | None:
         """The `jaxshard.Pipeline` of a candidate with a ``stage`` axis (else None)."""
-        return Pipeline("stage", self.microbatches) if self.microbatches else None
+        if not self.microbatches:
+            return None
+        if self.repeats > 1:
+            return Pipeline("stage", self.microbatches, schedule="circular", repeats=self.repeats)
+        return Pipeline("stage", self.microbatches)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -107,9 +114,12 @@ class Candidate:
         return self.time.total if self.time is not None else math.inf
 
     def describe(self) -> str:
-        """``8x8 (data=8, tensor=8)``; a pipeline adds its microbatches."""
+        """``8x8 (data=8, tensor=8)``; a pipeline adds its microbatches (and a circular one
+        its chunks per stage)."""
         text = "x".join(map(str, self.shape)) + f" ({_degrees(self)})"
-        return text + (f", {self.microbatches} microbatches" if self.microbatches else "")
+        if self.microbatches:
+            text += f", {self.microbatches} microbatches"
+        return text + (f", circular x{self.repeats}" if self.repeats > 1 else "")
 
 
 @dataclass
@@ -322,17 +332,25 @@ def auto_parallel(
         t = b.degrees.get("tensor", 1)
         weigh_all([Candidate(*_named((d, f, t), ROLES)) for d, f in _splits(n // t)])
     if not stopped:
-        pipelines = _pipelines(candidates, n, topology, cost_model, plain)
+        pipelines, plan, stacks = _pipelines(candidates, n, topology, cost_model, plain)
         candidates += [c for c in pipelines if c.status != "not searched"]
         weigh_all([c for c in pipelines if c.status == "not searched"])
-        # the best pipeline's batch axes split in two, as the meshes without a stage are
+        # the best pipeline on the circular schedule too, then its batch axes split in
+        # two, as the meshes without a stage are
         b = min((c for c in pipelines if c.memory is not None), key=_rank, default=None)
+        twin = _circular(b, candidates, plan, stacks, topology, cost_model) if b else None
+        if twin is not None:
+            if twin.status == "not searched":
+                weigh_all([twin])
+            else:
+                candidates.append(twin)
+            b = min((b, twin), key=_rank) if twin.memory is not None else b
         if b is not None:
             stages, data, t = (b.degrees.get(r, 1) for r in PIPELINE_ROLES)
             split = [Candidate(*_named((stages, d, f, t), PIPELINE_SPLIT_ROLES))
                      for d, f in _splits(data)]  # fmt: skip
             for c in split:
-                c.microbatches = b.microbatches
+                c.microbatches, c.repeats = b.microbatches, b.repeats
             weigh_all(split)
     if not any(c.fits for c in candidates):
         for c in candidates:
@@ -368,21 +386,22 @@ def _pipelines(
     topology: Topology,
     cost_model: CostModel | None,
     plain: Callable[[Candidate], Plan | None],
-) -> list[Candidate]:
+) -> tuple[list[Candidate], Plan | None, list]:
     """The pipeline candidates: a ``stage`` axis over the topology's slowest level (on a
     one-level topology only when nothing else fits: there is no slow link for it to
     spare), for every stage count that divides the layer stacks, the tensor degree of
     the best candidate so far and the most microbatches of 4S, 2S, S that split the
-    batch evenly over the data axis. One whose lower bound (`_floor`) is no faster than
+    batch evenly over the data axis; with the plan they were sized from and its layer
+    stacks (`_layer_stacks`). One whose lower bound (`_floor`) is no faster than
     the best found is marked pruned and not searched."""
     ranked = sorted(candidates, key=_rank)
     fitting = [c for c in ranked if c.fits]
     if len(topology.levels) == 1 and fitting:
-        return []
+        return [], None, []
     plan = fitting[0].plan if fitting else plain(ranked[0]) if ranked else None
     stacks = _layer_stacks(plan) if plan is not None else []
     if not stacks:
-        return []
+        return [], plan, []
     levels = topology.levels
     outer = (
         n if len(levels) == 1 else levels[-1].size or n // math.prod(lv.size for lv in levels[:-1])
@@ -409,14 +428,36 @@ def _pipelines(
             )
         else:
             c.microbatches = fits_rows[0]
-            floor = _floor(plan, c, stacks, _priced(topology, cost_model, c))
-            if floor >= best:
-                c.status = (
-                    f"pruned: at least {floor:.4f} s per step (compute with the pipeline "
-                    f"bubble, and the carry between stages), not under the best {best:.4f} s"
-                )
+            _prune(c, _floor(plan, c, stacks, _priced(topology, cost_model, c)), best)
         out.append(c)
-    return out
+    return out, plan, stacks
+
+
+def _circular(
+    b: Candidate, candidates: list[Candidate], plan: Plan, stacks, topology: Topology, cost_model
+) -> Candidate | None:
+    """The best pipeline ``b`` on the circular schedule, where every layer stack splits
+    into two chunks per stage (half the bubble for twice the stage-to-stage transfers);
+    pruned like the others when its lower bound is no faster than the best candidate.
+    None where the stacks do not split so. ``plan`` and ``stacks`` are `_pipelines`'."""
+    stages = b.degrees["stage"]
+    if not stacks or any(layers % (2 * stages) for layers, _, _ in stacks):
+        return None
+    c = replace(b, repeats=2, status="not searched", time=None, memory=None, plan=None,
+                hints={}, seconds=0.0, predicted_bytes=0.0)  # fmt: skip
+    best = min((x.seconds_per_step for x in candidates if x.fits), default=math.inf)
+    _prune(c, _floor(plan, c, stacks, _priced(topology, cost_model, c)), best)
+    return c
+
+
+def _prune(c: Candidate, floor: float, best: float) -> None:
+    """Mark pipeline candidate ``c`` pruned when its lower bound ``floor`` is no faster
+    than the best step time found."""
+    if floor >= best:
+        c.status = (
+            f"pruned: at least {floor:.4f} s per step (compute with the pipeline "
+            f"bubble, and the carry between stages), not under the best {best:.4f} s"
+        )
 
 
 def _layer_stacks(plan: Plan) -> list[tuple[int, int, int]]:
@@ -442,12 +483,12 @@ def _floor(plan: Plan, c: Candidate, stacks, model: CostModel) -> float:
     evenly over the devices, the layer loops' share stretched by the bubble (their M+S−1
     iterations do M microbatches' work), plus the carry each stage hands on per
     iteration, forward and backward, split over every device of a stage."""
-    n, stages, m = math.prod(c.shape), c.degrees["stage"], c.microbatches
+    n, stages, m, v = math.prod(c.shape), c.degrees["stage"], c.microbatches, c.repeats
     looped = program_flops(plan.graph, in_scans=True)
-    flops = program_flops(plan.graph) + looped * (stages - 1) / m
+    flops = program_flops(plan.graph) + looped * (stages - 1) / (v * m)
     compute = flops / n / model.flops if model.flops else 0.0
     carry = max(carried for _, _, carried in stacks) / m / (n // stages)
-    return compute + 2 * (m + stages - 1) * model.collective_time(("stage",), carry)
+    return compute + 2 * (v * m + stages - 1) * model.collective_time(("stage",), carry)
 
 
 def hints_on(hints: Mapping[str, PartitionSpec], axes: Sequence[str]) -> dict:

@@ -175,6 +175,7 @@ def test_a_pipeline_its_bubble_cannot_pay_for_is_pruned_unsearched():
         stack_step, *jax.eval_shape(stack_arrays), devices=8, memory_per_device=MEMORY,
         hints=HINTS, topology=two_nodes(across=1e11, flops=1e9),
     )  # fmt: skip
+    # pruned, it is not weighed on the circular schedule either
     (pipeline,) = [c for c in s.candidates if "stage" in c.axes]
     assert pipeline.status.startswith("pruned: at least") and pipeline.seconds == 0
     assert "not under the best" in pipeline.status and "stage" not in s.best.axes
@@ -193,8 +194,16 @@ def test_the_best_pipeline_is_weighed_with_its_batch_axes_split_too():
         stack_step, *args, devices=jax.devices(), memory_per_device=MEMORY, hints=HINTS,
         topology=levels,
     )  # fmt: skip
-    (piped,) = [c for c in s.candidates if c.degrees == {"stage": 2, "data": 4}]
     (split,) = [c for c in s.candidates if c.degrees == {"stage": 2, "data": 2, "fsdp": 2}]
+    # the best pipeline is weighed on the circular schedule too (its 8 layers split into
+    # 2 chunks per stage; here twice the transfers cost more than the bubble saves: its
+    # lower bound prunes it), and the better of the two is the one split
+    staged = [c for c in s.candidates if c.degrees == {"stage": 2, "data": 4}]
+    assert sorted(c.repeats for c in staged) == [1, 2]
+    (twin,) = [c for c in staged if c.repeats == 2]
+    assert twin.status.startswith("pruned: at least") and twin.seconds == 0
+    (piped,) = [c for c in staged if c.repeats == split.repeats]
+    assert piped.repeats == 1
     assert piped.fits and split.fits and split.microbatches == piped.microbatches
     mesh = jax.make_mesh(split.shape, split.axes, axis_types=(jax.sharding.AxisType.Auto,) * 3)
     step = jaxshard.auto_shard(
@@ -265,3 +274,22 @@ def test_topologies_map_axes_to_the_links_they_span():
 def test_bad_topologies_say_what_is_wrong(make, error):
     with pytest.raises(ShardingError, match=error):
         make()
+
+
+def test_the_best_pipeline_is_weighed_on_the_circular_schedule():
+    # 8 layers over 2 stages split into 2 chunks each: the circular twin is searched;
+    # moving the weight-heavy stack to the stages' chunks each step costs it more than
+    # its smaller bubble saves, so GPipe stays the best
+    layers = {"layers": jax.ShapeDtypeStruct((8, 256, 256), jnp.float32)}
+    rows = {k: jax.ShapeDtypeStruct((16, 256), jnp.float32) for k in ("x", "y")}
+    topology = Topology.generic([(4, 1e11, 1e-6), (2, 1e9, 1e-5)], flops=1e10)
+    s = jaxshard.auto_parallel(
+        stack_step, layers, jax.eval_shape(OPTIMIZER.init, layers), rows, devices=8,
+        memory_per_device=MEMORY, hints=HINTS, topology=topology,
+    )  # fmt: skip
+    gpipe, circular = sorted((c for c in s.candidates if c.microbatches), key=lambda c: c.repeats)
+    assert (gpipe.shape, gpipe.microbatches) == (circular.shape, circular.microbatches)
+    assert circular.repeats == 2 and circular.fits and circular.seconds > 0
+    assert circular.pipeline == jaxshard.Pipeline("stage", 8, schedule="circular", repeats=2)
+    assert "circular x2" in circular.describe()
+    assert s.best is gpipe and gpipe.seconds_per_step < circular.seconds_per_step
