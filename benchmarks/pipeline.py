@@ -22,7 +22,8 @@ parallel on model):
 - `Pipeline("stage", M, schedule="circular", repeats=2)`: each stage holds 2 chunks of 4
   layers (stage s: chunks s and s + 4) and every microbatch passes the stages twice; the
   stacked weights move from layer order to the stages' chunks once per step (an
-  all-to-all) and their gradients back (collective-permutes).
+  all-to-all) and their gradients back (collective-permutes). One row each with
+  4 chunks of 2 layers per stage and with `replicate=True`.
 
 Columns: memory per device (`memory_analysis`: arguments + results + temporaries −
 aliased), collective bytes per device per step (compiled, ring volumes), compute per
@@ -119,6 +120,13 @@ def run(quick: bool = False, microbatches=(4, 8, 16), log=print) -> tuple[list, 
         (f"circular pipeline (v = 2), M = {m}, batch on (data, stage)", outside,
          jaxshard.Pipeline("stage", m, schedule="circular", repeats=2))
         for m in microbatches
+    ]  # fmt: skip
+    layouts += [
+        (f"circular pipeline (v = 4), M = {last}, batch on (data, stage)", outside,
+         jaxshard.Pipeline("stage", last, schedule="circular", repeats=4)),
+        (f"circular pipeline (v = 2), M = {last}, batch on (data, stage), replicate=True",
+         outside, jaxshard.Pipeline("stage", last, replicate=True, schedule="circular",
+                                    repeats=2)),
     ]  # fmt: skip
     for name, hints, pipeline in layouts:
         log(f"{w.name}: {name} ...")
