@@ -338,7 +338,7 @@ def auto_parallel(
         # the best pipeline on the circular schedule too, then its batch axes split in
         # two, as the meshes without a stage are
         b = min((c for c in pipelines if c.memory is not None), key=_rank, default=None)
-        twin = _circular(b, candidates, plan, stacks, topology, cost_model) if b else None
+        twin = None if b is None else _circular(b, candidates, plan, stacks, topology, cost_model)
         if twin is not None:
             if twin.status == "not searched":
                 weigh_all([twin])
@@ -480,9 +480,10 @@ def _layer_stacks(plan: Plan) -> list[tuple[int, int, int]]:
 
 def _floor(plan: Plan, c: Candidate, stacks, model: CostModel) -> float:
     """A lower bound on pipeline candidate ``c``'s step time: the program's FLOPs spread
-    evenly over the devices, the layer loops' share stretched by the bubble (their M+S−1
-    iterations do M microbatches' work), plus the carry each stage hands on per
-    iteration, forward and backward, split over every device of a stage."""
+    evenly over the devices, the layer loops' share stretched by the bubble (their
+    v·M+S−1 iterations do v·M microbatch-chunks' work; v = 1 for GPipe), plus the carry
+    each stage hands on per iteration, forward and backward, split over every device of
+    a stage."""
     n, stages, m, v = math.prod(c.shape), c.degrees["stage"], c.microbatches, c.repeats
     looped = program_flops(plan.graph, in_scans=True)
     flops = program_flops(plan.graph) + looped * (stages - 1) / (v * m)
