@@ -284,3 +284,22 @@ def test_chunk_moves_put_every_chunk_in_ring_order_and_back(stages, repeats):
     ring = moved(chunk_rounds(stages, repeats), layer_order)
     assert all(ring[(c % stages, c // stages)] == c for c in range(stages * repeats))
     assert moved(chunk_rounds(stages, repeats, back=True), ring) == layer_order
+
+
+def test_circular_adamw_with_fsdp_storage_matches_unsharded(pipe_mesh, llama):
+    """AdamW on the circular schedule, a stacked weight stored FSDP-style: parameters
+    and moments after two steps equal the unsharded step's, the moments stored as their
+    parameter is."""
+    params, batch = llama
+    opt = optax.adamw(1e-3)
+    step = make_train_step(functools.partial(llama_loss, cfg=CFG), opt)
+    hints = {**HINTS, r"params/layers/w_up": P(None, "data", "model")}
+    piped = jaxshard.auto_shard(pipe_mesh, hints, pipeline=CIRCULAR)(step)
+    ref = jax.jit(step)
+    mine, theirs = (params, opt.init(params)), (params, opt.init(params))
+    for _ in range(2):
+        *mine, loss = piped(*mine, batch)
+        *theirs, ref_loss = ref(*theirs, batch)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_leaves_match(mine, theirs)
+    assert mine[1][0].mu["layers"]["w_up"].sharding.spec == P("stage", "data", "model")
