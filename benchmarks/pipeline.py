@@ -169,7 +169,7 @@ def report(rows, w) -> str:
     for name, pipeline, m in rows:
         if pipeline is None or "(data, stage)" not in name or pipeline.replicate:
             continue
-        mb, v = pipeline.microbatches, pipeline.laps
+        mb, v = pipeline.microbatches, pipeline.repeats
         schedule = pipeline.schedule + (f", v = {v}" if v > 1 else "")
         out.append(
             f"| {schedule} | {mb} | {v * mb + stages - 1} | {pipeline.bubble(stages):.1%} | "

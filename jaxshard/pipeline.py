@@ -136,11 +136,6 @@ class Pipeline:
                 f"repeats={self.repeats})"
             )
 
-    @property
-    def laps(self) -> int:
-        """How many times each microbatch passes the stages: ``repeats`` when circular."""
-        return self.repeats if self.schedule == "circular" else 1
-
     def bubble(self, stages: int) -> float:
         """The fraction of a step each stage idles: (S−1)/(v·M+S−1), v = 1 for GPipe.
 
@@ -148,7 +143,7 @@ class Pipeline:
             >>> [round(Pipeline(microbatches=m).bubble(4), 2) for m in (1, 4, 16)]
             [0.75, 0.43, 0.16]
         """
-        return _bubble(stages, self.microbatches, self.laps)
+        return _bubble(stages, self.microbatches, self.repeats)
 
     def check_mesh(self, axis_names: Sequence[str]) -> None:
         """A ShardingError unless the pipeline's axis is one of the mesh's.
@@ -406,7 +401,7 @@ class _Loop:
             )
         layers = int(np.shape(stacked[0])[0])
         m, s, axis = seen.pipeline.microbatches, seen.stages, seen.pipeline.axis
-        v = seen.pipeline.laps
+        v = seen.pipeline.repeats  # above 1 only when circular (checked)
         n_carry = len(carry)
 
         def flat_body(*flat):

@@ -332,18 +332,19 @@ def auto_parallel(
         t = b.degrees.get("tensor", 1)
         weigh_all([Candidate(*_named((d, f, t), ROLES)) for d, f in _splits(n // t)])
     if not stopped:
+
+        def weigh_unpruned(found: list[Candidate]) -> None:
+            candidates.extend(c for c in found if c.status != "not searched")
+            weigh_all([c for c in found if c.status == "not searched"])
+
         pipelines, plan, stacks = _pipelines(candidates, n, topology, cost_model, plain)
-        candidates += [c for c in pipelines if c.status != "not searched"]
-        weigh_all([c for c in pipelines if c.status == "not searched"])
+        weigh_unpruned(pipelines)
         # the best pipeline on the circular schedule too, then its batch axes split in
         # two, as the meshes without a stage are
         b = min((c for c in pipelines if c.memory is not None), key=_rank, default=None)
         twin = None if b is None else _circular(b, candidates, plan, stacks, topology, cost_model)
         if twin is not None:
-            if twin.status == "not searched":
-                weigh_all([twin])
-            else:
-                candidates.append(twin)
+            weigh_unpruned([twin])
             b = min((b, twin), key=_rank) if twin.memory is not None else b
         if b is not None:
             stages, data, t = (b.degrees.get(r, 1) for r in PIPELINE_ROLES)
@@ -443,8 +444,7 @@ def _circular(
     stages = b.degrees["stage"]
     if not stacks or any(layers % (2 * stages) for layers, _, _ in stacks):
         return None
-    c = replace(b, repeats=2, status="not searched", time=None, memory=None, plan=None,
-                hints={}, seconds=0.0, predicted_bytes=0.0)  # fmt: skip
+    c = Candidate(b.shape, b.axes, microbatches=b.microbatches, repeats=2)
     best = min((x.seconds_per_step for x in candidates if x.fits), default=math.inf)
     _prune(c, _floor(plan, c, stacks, _priced(topology, cost_model, c)), best)
     return c
