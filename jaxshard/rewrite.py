@@ -1,27 +1,59 @@
 """Rewrites of the traced jaxpr into equivalent equations that stay sharded.
 
 Some pairs of equations that JAX emits compute what one equation computes, but only the
-single equation can be partitioned without gathering: the gradient of an average
-pooling is a zero pad with interior padding (the pooled gradient spread out, 2x + 1
-rows) followed by a window sum. The padded intermediate has a size no mesh axis divides
-(65 rows), so splitting it would need uneven shards, while the same sum read through a
-base-dilated window (`lax.reduce_window` with ``base_dilation``) maps each shard of the
-pooled gradient onto a shard of the result with no communication at all. Rewrites run
-on the whole jaxpr, nested ones included, once, before the graph is built; the lowered
-program runs the rewritten equations, which give the same numbers.
+single equation can be partitioned without gathering (the catalogue's example: the
+gradient of an average pooling is a zero pad spreading the pooled gradient to 2x + 1
+rows, which no mesh axis divides, then a window sum; one window sum over a base-dilated
+input splits with no communication). The catalogue registers such *folds* per
+primitive (`register_fold`): given an equation and the equation producing its first
+operand, read by it alone, a fold returns the one equation computing both, or None.
+Rewrites run on the whole jaxpr, nested ones included, once, before the graph is built;
+the lowered program runs the rewritten equations, which give the same numbers.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, new_jaxpr_eqn
-from jax.extend.core import primitives as p
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
+
+from jaxshard.errors import JaxshardBug
+
+Fold = Callable[[JaxprEqn, JaxprEqn], "JaxprEqn | None"]
+_FOLDS: dict[Any, Fold] = {}
+
+
+def register_fold(primitive: Any) -> Callable[[Fold], Fold]:
+    """Register ``fold(producer, eqn)`` for equations of ``primitive``: the one
+    equation computing ``eqn`` from the operands of ``producer`` (the equation producing
+    ``eqn``'s first operand, which nothing else reads), or None to keep both. Each
+    primitive has one fold: a second raises `JaxshardBug`.
+
+    Example:
+        >>> @register_fold(my_primitive)  # doctest: +SKIP
+        ... def fold(producer, eqn):
+        ...     return None
+    """
+
+    def add(fold: Fold) -> Fold:
+        old = _FOLDS.get(primitive)
+        name = lambda f: f"{f.__module__}.{f.__qualname__}"  # noqa: E731
+        if old is not None and name(old) != name(fold):  # the same one again: a reload
+            raise JaxshardBug(
+                f"primitive {primitive.name!r} already has the fold {name(old)}; extend "
+                f"it rather than registering {name(fold)} too"
+            )
+        _FOLDS[primitive] = fold
+        return fold
+
+    return add
 
 
 def rewrite_closed(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """``closed`` with every zero pad that only feeds a window sum folded into it.
+    """``closed`` with every registered fold applied (`register_fold`), nested jaxprs
+    included.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -38,17 +70,23 @@ def rewrite_closed(closed: ClosedJaxpr) -> ClosedJaxpr:
 
 def _rewrite(jaxpr: Jaxpr, memo: dict) -> Jaxpr:
     eqns = [_rewrite_params(e, memo) for e in jaxpr.eqns]
-    readers = Counter(v for e in eqns for v in e.invars if not isinstance(v, Literal))
-    readers.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
-    padded = {e.outvars[0]: e for e in eqns if _zero_pad(e)}
-    out, dropped = [], set()
-    for e in eqns:
-        pad = padded.get(e.invars[0]) if e.primitive is p.reduce_window_sum_p else None
-        if pad is not None and readers[e.invars[0]] == 1 and _unpadded_sum(e):
-            e = _folded(pad, e)
-            dropped.add(id(pad))
-        out.append(e)
-    out = [e for e in out if id(e) not in dropped]
+    out = eqns
+    if any(e.primitive in _FOLDS for e in eqns):  # most jaxprs have nothing to fold
+        readers = Counter(v for e in eqns for v in e.invars if not isinstance(v, Literal))
+        readers.update(v for v in jaxpr.outvars if not isinstance(v, Literal))
+        producer = {v: e for e in eqns for v in e.outvars}
+        out, dropped = [], set()
+        for e in eqns:
+            fold = _FOLDS.get(e.primitive)
+            first = e.invars[0] if fold is not None and e.invars else None
+            made = None if first is None or isinstance(first, Literal) else producer.get(first)
+            if made is not None and readers[first] == 1 and len(made.outvars) == 1:
+                folded = fold(made, e)
+                if folded is not None:
+                    e = folded
+                    dropped.add(id(made))
+            out.append(e)
+        out = [e for e in out if id(e) not in dropped]
     changed = len(out) != len(jaxpr.eqns) or any(a is not b for a, b in zip(out, jaxpr.eqns))
     return jaxpr.replace(eqns=out) if changed else jaxpr
 
@@ -81,31 +119,3 @@ def _rewrite_value(value: Any, memo: dict) -> Any:
         new = tuple(_rewrite_value(v, memo) for v in value)
         return value if all(a is b for a, b in zip(new, value)) else new
     return value
-
-
-def _zero_pad(eqn: JaxprEqn) -> bool:
-    """A pad with a literal zero, adding rows (none cropped)."""
-    if eqn.primitive is not p.pad_p or not isinstance(eqn.invars[1], Literal):
-        return False
-    value = eqn.invars[1].val
-    return value == 0 and all(lo >= 0 and hi >= 0 for lo, hi, _ in eqn.params["padding_config"])
-
-
-def _unpadded_sum(eqn: JaxprEqn) -> bool:
-    params = eqn.params
-    return all(tuple(pad) == (0, 0) for pad in params["padding"]) and all(
-        d == 1 for d in params["base_dilation"]
-    )
-
-
-def _folded(pad: JaxprEqn, window: JaxprEqn) -> JaxprEqn:
-    """One window sum reading the pad's operand through the pad's padding (its interior
-    padding as base dilation)."""
-    config = pad.params["padding_config"]
-    params = dict(window.params)
-    params["padding"] = tuple((int(lo), int(hi)) for lo, hi, _ in config)
-    params["base_dilation"] = tuple(int(interior) + 1 for _, _, interior in config)
-    return new_jaxpr_eqn(
-        [pad.invars[0]], window.outvars, window.primitive, params, window.effects,
-        window.source_info, window.ctx,
-    )  # fmt: skip

@@ -14,10 +14,11 @@ and take part in no factor.
 
 from __future__ import annotations
 
-from jax.extend.core import JaxprEqn
+from jax.extend.core import JaxprEqn, Literal, new_jaxpr_eqn
 from jax.extend.core import primitives as p
 from jaxshard.rules.shape import aligned_rule
 
+from jaxshard.rewrite import register_fold
 from jaxshard.rule import Rule, Window, register_rule, shapes_of
 
 
@@ -93,3 +94,37 @@ def window_rule(eqn: JaxprEqn) -> Rule:
         if tiles or not tiled_only:
             windows[d] = w
     return aligned_rule(eqn, dims - set(windows), windows)
+
+
+@register_fold(p.reduce_window_sum_p)
+def pad_into_window_sum(pad: JaxprEqn, window: JaxprEqn) -> JaxprEqn | None:
+    """A zero pad (adding rows, none cropped) read only by a window sum of no padding or
+    dilation of its own: one window sum reading the pad's operand through the pad's
+    padding, its interior padding as base dilation. An average pooling's gradient pads
+    to 2x + 1 rows, a size no mesh axis divides; the folded sum splits with the pooled
+    gradient's rows and no communication.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> pool = lambda x: jax.lax.reduce_window(x, 0.0, jax.lax.add, (2,), (2,), "VALID")
+        >>> _, vjp = jax.vjp(pool, jnp.ones(8))
+        >>> pad, window = jax.make_jaxpr(vjp)(jnp.ones(4)).eqns
+        >>> pad_into_window_sum(pad, window).params["base_dilation"]
+        (2,)
+    """
+    if pad.primitive is not p.pad_p or not isinstance(pad.invars[1], Literal):
+        return None
+    config = pad.params["padding_config"]
+    if pad.invars[1].val != 0 or any(lo < 0 or hi < 0 for lo, hi, _ in config):
+        return None
+    params = dict(window.params)
+    if any(tuple(pad) != (0, 0) for pad in params["padding"]) or any(
+        d != 1 for d in params["base_dilation"]
+    ):
+        return None
+    params["padding"] = tuple((int(lo), int(hi)) for lo, hi, _ in config)
+    params["base_dilation"] = tuple(int(interior) + 1 for _, _, interior in config)
+    return new_jaxpr_eqn(
+        [pad.invars[0]], window.outvars, window.primitive, params, window.effects,
+        window.source_info, window.ctx,
+    )  # fmt: skip
