@@ -245,15 +245,7 @@ class Plan:
             a = producers.get(vid)
             if a is None:
                 continue
-            steps = reshard_collectives(graph.shapes[vid], graph.dtypes[vid], self.dims[vid],
-                                        out, self.axis_sizes, frozenset(), self._reduce_scatter)  # fmt: skip
-            if steps:
-                self.reshards.append(
-                    Reshard(a, vid, tuple(self.dims[vid]), out, frozenset(),
-                            sum(s.ring_bytes for s in steps) + 0.0, tuple(steps),
-                            f"{graph.apps[a].describe()}, returned as out/{o}",
-                            self._runs[a], self._in_while[a])
-                )  # fmt: skip
+            self._add_reshard(a, vid, tuple(self.dims[vid]), out, frozenset(), returned_as=o)
 
     def _move_operand(self, a: int, vid: int, dst: tuple[DimSharding, ...]) -> None:
         """Operand ``vid`` of application ``a`` moves to ``dst``. The lowered program
@@ -274,17 +266,23 @@ class Plan:
         scopes.add(scope)
         self._add_reshard(a, vid, self.dims[vid], dst, frozenset())
 
-    def _add_reshard(self, a, vid, src, dst, partial) -> None:
+    def _add_reshard(self, a, vid, src, dst, partial, returned_as: int | None = None) -> None:
+        """Value ``vid`` of application ``a`` moves from ``src`` to ``dst`` (``returned_as``:
+        into result leaf ``returned_as``'s buffer, after the step); a move with no
+        collective is a local slice, recorded for an operand only."""
         g = self.graph
         steps = reshard_collectives(
             g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes, partial, self._reduce_scatter
         )
         if not steps:
-            self.slices.append((a, vid))
+            if returned_as is None:
+                self.slices.append((a, vid))
         else:
             cost = sum(s.ring_bytes for s in steps) + 0.0
+            where = g.apps[a].describe()
+            where += "" if returned_as is None else f", returned as out/{returned_as}"
             self.reshards.append(
-                Reshard(a, vid, src, dst, partial, cost, tuple(steps), g.apps[a].describe(),
+                Reshard(a, vid, src, dst, partial, cost, tuple(steps), where,
                         self._runs[a], self._in_while[a])
             )  # fmt: skip
 
