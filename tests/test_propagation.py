@@ -259,3 +259,36 @@ def test_an_axis_only_activations_use_stays_on_a_weights_computation(mesh):
     ]  # fmt: skip
     assert logits and all(plan.dims[v][2] == ("model",) for v in logits)
     assert plan.out_specs == {"emb": P("data", "model"), "head": P("data", "model")}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a contraction lays out its result from the first operand whose layout reaches "
+    "it: the input weight's gradient keeps the input's feature split, is moved by an "
+    "all-to-all the plan predicts, and XLA gathers the hidden's cotangent instead",
+)
+def test_a_weight_gradient_waits_for_both_operands_layouts(mesh):
+    # activations split over their features on "model" between the matmuls (MaxText's
+    # activation_embed) and the hidden over its own (activation_mlp): each weight's
+    # gradient is computed in its weight's layout, summed over the batch, and moved by
+    # nothing else; the lowered program runs the collectives the plan predicts
+    def loss(params, x):
+        x = jaxshard.hint(x, P("data", None, "model"))
+        h = jaxshard.hint(jnp.tanh(x @ params["wi"]), P("data", None, "model"))
+        y = jaxshard.hint(h @ params["wo"], P("data", None, "model"))
+        return jnp.sum(y * y)
+
+    def train(params, x):
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params, x))
+
+    params = {
+        "wi": jax.ShapeDtypeStruct((64, 256), jnp.float32),
+        "wo": jax.ShapeDtypeStruct((256, 64), jnp.float32),
+    }
+    x = jax.ShapeDtypeStruct((8, 32, 64), jnp.float32)
+    hints = {"params/wi": P(None, "model"), "params/wo": P("model", None)}
+    plan = make_plan(train, (params, x), {}, mesh, hints)
+    moved = [r.collectives for r in plan.reshards if "all-to-all over model" in r.collectives]
+    assert not moved, moved
+    result = plan.verify()
+    assert result.ok, result.surprises
