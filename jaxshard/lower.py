@@ -28,7 +28,7 @@ from jax.extend.core import primitives as prims
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxshard.cost import reshard_steps
-from jaxshard.graph import AppKind
+from jaxshard.graph import AppKind, contracts
 from jaxshard.jax_compat import (
     UNSPECIFIED,
     context_on_mesh,
@@ -325,9 +325,18 @@ class Lowered:
         # moved step by step (`_constrain`)
         via: dict[int, Via] = {}
         for r in plan.reshards:
-            if r.partial or r.vid not in plan.graph.apps[r.app].results:
+            app = plan.graph.apps[r.app]
+            if r.vid not in app.results:
                 continue
-            if len(reshard_steps(*(self._big(d) for d in (r.src, r.dst)))) > 1:
+            if contracts(app) and any(step.kind == "all-to-all" for step in r.steps):
+                # a contraction's result the plan moves by an all-to-all: left to itself,
+                # XLA computes it in the final layout, gathering an operand the plan
+                # keeps split (measured: a weight gradient whose inputs are split on one
+                # axis along different dims gathered the larger input)
+                via[r.vid] = Via(r.src, plan.dims[r.vid])
+            elif r.partial:
+                continue
+            elif len(reshard_steps(*(self._big(d) for d in (r.src, r.dst)))) > 1:
                 via[r.vid] = Via(r.src, plan.dims[r.vid])
         # per path (a call site of a nested jaxpr): {var: layout} and a hashable key
         self._levels = {}

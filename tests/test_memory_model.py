@@ -129,3 +129,19 @@ def test_a_reshaped_argument_is_read_in_place(line):
 
     args = (jax.ShapeDtypeStruct((64, 512, 512), F32), jax.ShapeDtypeStruct((64, 512), F32))
     assert _ratio(line, f, args, {"x": P("data")}) == pytest.approx(1.0, abs=0.03)
+
+
+def test_the_zeros_a_returned_lookup_gradient_scatters_into_are_alive_across_the_loop(line):
+    # the table's gradient is a step result: its zeros are broadcast before the loop (they
+    # read no loop result) and XLA keeps them in a buffer of their own while it runs; a
+    # scatter whose result is an intermediate writes over its zeros in place instead
+    def loss(p, tok):
+        h, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), p["table"][tok], p["ws"])
+        return jnp.mean(h**2)
+
+    args = (
+        {"table": jax.ShapeDtypeStruct((16384, 1024), F32),
+         "ws": jax.ShapeDtypeStruct((4, 1024, 1024), F32)},
+        jax.ShapeDtypeStruct((2048,), jnp.int32),
+    )  # fmt: skip
+    assert _ratio(line, jax.grad(loss), args, {"tok": P("data")}) == pytest.approx(1.0, abs=0.03)
