@@ -133,8 +133,7 @@ def test_a_reshaped_argument_is_read_in_place(line):
 
 def test_the_zeros_a_returned_lookup_gradient_scatters_into_are_alive_across_the_loop(line):
     # the table's gradient is a step result: its zeros are broadcast before the loop (they
-    # read no loop result) and XLA keeps them in a buffer of their own while it runs; a
-    # scatter whose result is an intermediate writes over its zeros in place instead
+    # read no loop result) and XLA keeps them in a buffer of their own while it runs
     def loss(p, tok):
         h, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), p["table"][tok], p["ws"])
         return jnp.mean(h**2)
