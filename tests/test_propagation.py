@@ -230,6 +230,20 @@ def test_a_looped_weight_keeps_its_own_layout_against_an_activation_reaching_it_
     assert plan.in_specs[1] == P(None, None, "model")
 
 
+def _sgd(loss):
+    """The step of one SGD update of ``loss(params, x)``'s parameters."""
+
+    def train(params, x):
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params, x))
+
+    return train
+
+
+def _f32(**shapes):
+    """Abstract float32 arrays by name."""
+    return {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in shapes.items()}
+
+
 def test_an_axis_only_activations_use_stays_on_a_weights_computation(mesh):
     # the batch's axis on a weight is storage (FSDP); the other axis of its hint, which
     # only the step's own activation constraints use, shards the computation: the
@@ -238,13 +252,9 @@ def test_an_axis_only_activations_use_stays_on_a_weights_computation(mesh):
         h = jaxshard.hint(jnp.tanh(x @ params["emb"]), P("data", None, "model"))
         return jnp.sum(jax.nn.log_softmax(h @ params["head"]))
 
-    def train(params, x):
-        return jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params, x))
+    train = _sgd(loss)
 
-    params = {
-        "emb": jax.ShapeDtypeStruct((32, 32), jnp.float32),
-        "head": jax.ShapeDtypeStruct((32, 64), jnp.float32),
-    }
+    params = _f32(emb=(32, 32), head=(32, 64))
     x = jax.ShapeDtypeStruct((8, 16, 32), jnp.float32)
     hints = {"x": P("data"), "params/.*": P("data", "model")}
     traced, graph = trace_graph(train, (params, x), {}, mesh)
@@ -273,13 +283,9 @@ def test_a_contraction_result_moved_by_an_all_to_all_is_computed_as_planned(mesh
         y = jaxshard.hint(h @ params["wo"], P("data", None, "model"))
         return jnp.sum(y * y)
 
-    def train(params, x):
-        return jax.tree.map(lambda p, g: p - 0.1 * g, params, jax.grad(loss)(params, x))
+    train = _sgd(loss)
 
-    params = {
-        "wi": jax.ShapeDtypeStruct((64, 256), jnp.float32),
-        "wo": jax.ShapeDtypeStruct((256, 64), jnp.float32),
-    }
+    params = _f32(wi=(64, 256), wo=(256, 64))
     x = jax.ShapeDtypeStruct((8, 32, 64), jnp.float32)
     hints = {"params/wi": P(None, "model"), "params/wo": P("model", None)}
     plan = make_plan(train, (params, x), {}, mesh, hints)
