@@ -954,9 +954,10 @@ def plan_from_graph(
     A hint that `split_storage` reads as a storage layout is also planned with its axes
     on the computation (expert parallelism puts the experts dim on the batch's axis on
     purpose); the plan that moves fewer bytes is kept. ``storage`` maps value ids whose
-    choice the caller has priced itself to it (True: a storage layout, False: on the
-    computation); they are not tried (the search's hints name one leaf each: trying
-    them would re-plan once per leaf).
+    choice the caller has priced itself to it (per dim, the mesh axes that are storage
+    alone, the rest of the hint being the computation's layout; True: a storage layout
+    as `split_storage` reads it; False: all on the computation); they are not tried
+    (the search's hints name one leaf each: trying them would re-plan once per leaf).
 
     Example:
         >>> plan = plan_from_graph(traced, graph, mesh, {"x": P("data")})  # doctest: +SKIP
@@ -965,9 +966,26 @@ def plan_from_graph(
     pins = hint_pins(traced, graph, hints or {}, sizes)
     decided = storage or {}
     compute, storage = split_storage(pins, graph)
-    for vid in [v for v in storage if decided.get(v) is False]:
-        compute[vid] = pins[vid]
-        del storage[vid]
+    for vid, apart in decided.items():
+        pin = pins.get(vid)
+        if pin is None:
+            continue
+        if apart is False:
+            if vid in storage:
+                compute[vid] = pin
+                del storage[vid]
+            continue
+        if apart is True:  # stored apart, on the axes `split_storage` finds
+            continue
+        # the caller's own split: which axes the computation spends is not guessed from
+        # the batch's (an axis the batch leaves free would otherwise split the compute)
+        axes = ", ".join(repr(a) for d in apart for a in d)
+        note = f" (storage: {axes} apart from the computation, gathered at its uses)"
+        storage[vid] = Pin(pin.dims, pin.source + note, pin.kind, pin.parts, pin.hint)
+        kept = tuple(_compute_part(d, set(a)) for d, a in zip(pin.dims, apart))
+        compute.pop(vid, None)
+        if any(d is not None for d in kept):
+            compute[vid] = Pin(kept, pin.source, pin.kind, pin.parts, pin.hint)
     plan = decide(traced, graph, propagate_pins(graph, sizes, compute, storage, cost_model), mesh)
     groups: dict[str, list[int]] = {}  # storage pins by the hint that made them
     for vid in storage:

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import jaxshard
 from jaxshard.baseline import compiled_memory
 from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes
-from jaxshard.plan import trace_graph
+from jaxshard.plan import plan_from_graph, trace_graph
 from jaxshard.search import HEADROOM, group_key, search_hints, solver
 from jaxshard.search.problem import Problem, term_index
 from jaxshard.trace import arg_names
@@ -585,6 +585,29 @@ def test_weights_behind_a_transpose_may_be_stored_apart(mesh):
     assert all("data" in jax.tree.leaves(tuple(s)) for s in stored), stored
     step = jaxshard.auto_shard(mesh, {"x": P("data"), **result.hints})(_sgd_step)
     assert_leaves_match(step(params, x), jax.jit(_sgd_step)(params, x))
+
+
+def test_the_search_names_the_axes_that_store_a_leaf_apart(mesh):
+    """A weight the search stores on ("data", "model") and computes with whole: both axes
+    are storage, although the batch leaves "model" free. Read from the batch's axes
+    alone, "model" stayed on the computation: the update ran on it, moved there and
+    back."""
+    f32 = jnp.float32
+
+    def step(w, x):
+        g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w["w"])))(w)
+        return {"w": w["w"] - g["w"]}
+
+    args = ({"w": jax.ShapeDtypeStruct((16, 32), f32)}, jax.ShapeDtypeStruct((64, 16), f32))
+    traced, graph = trace_graph(step, args, {}, mesh)
+    hints = {"x": P("data", None), "w/w": P(("data", "model"), None)}
+    w = graph.in_vids[0]
+    guessed = plan_from_graph(traced, graph, mesh, hints)
+    told = plan_from_graph(traced, graph, mesh, hints, storage={w: (("data", "model"), ())})
+    assert [r.dst for r in told.reshards if r.vid == w] == [((), ())]  # gathered for its use
+    assert told.out_dims[0] == (("data", "model"), ())
+    assert [r.dst for r in guessed.reshards if r.vid == w][1:] == [(("model",), ())] * 2
+    assert told.predicted_bytes < guessed.predicted_bytes
 
 
 def test_optimizer_state_is_matched_to_its_parameter_by_path():

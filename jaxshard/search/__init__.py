@@ -125,9 +125,13 @@ def search_hints(
         tried: list[tuple[MemoryEstimate, Plan, dict[int, int]]] = []
 
         # the search priced its leaves' layouts: a parameter stored on an extra axis is
-        # gathered at its uses, the rest (optimizer state too) is the computation's layout
+        # gathered at its uses (that axis alone is storage: the rest of its layout is the
+        # computation's), the rest (optimizer state too) is the computation's layout
         def storage(choice):
-            return {graph.in_vids[i]: problem.stored_apart(i, choice) for i in problem.leaf_group}
+            return {
+                graph.in_vids[i]: problem.storage_axes(i, choice) or False
+                for i in problem.leaf_group
+            }
 
         def propagated(choice):
             chosen = problem.hints_for(choice)

@@ -613,6 +613,16 @@ class Problem(MemoryModel):
         # under FSDP the optimizer state lives and is updated like its parameter
         return extra is not None and extra.scope is Scope.ALL
 
+    def storage_axes(self, i: int, choice: Mapping[int, int]) -> tuple[Axes, ...] | None:
+        """Per dim of argument leaf ``i``, the mesh axes the choice stores it on apart
+        from its computation (gathered at its uses); None when it is not stored apart."""
+        if not self.stored_apart(i, choice):
+            return None
+        dec = self.groups[self.leaf_group[i]].extra
+        extra = self.decisions[dec].candidates[choice[dec]]
+        dims = range(len(self.graph.shapes[self.graph.in_vids[i]]))
+        return tuple(extra.axes if d == extra.dim else () for d in dims)
+
     def refs(self, v: int) -> tuple[Ref, ...]:
         """Per dim of value ``v``: its decision (an index) or the axes pins fix (`Fixed`)."""
         return self.value_refs[v]
