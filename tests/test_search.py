@@ -485,6 +485,31 @@ def test_only_contracted_parameters_may_be_stored_apart(gpt, mesh):
     assert not problem._gathered_at_uses(names.index("params/wte"))
 
 
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_a_parameter_stored_apart_is_gathered_once_per_computation(name, mesh):
+    """Every matmul weight stored on "data" apart from its computation: the model counts
+    one gather per XLA computation that uses it (a scan's remat body recomputes its
+    forward with the copy its backward reads), as propagation and XLA do."""
+    step, args = abstract_step(name)
+    traced, graph = trace_graph(step, args, {}, mesh)
+    problem = Problem(traced, graph, mesh, BATCH, BYTES_ONLY, 2**30)
+    choice = problem.baseline()
+    for grp in problem.groups:
+        if grp.extra is not None:
+            cands = problem.decisions[grp.extra].candidates
+            apart = [c for c in cands if c and c.scope.value == "all" and c.axes == ("data",)]
+            if apart:
+                choice[grp.extra] = cands.index(apart[-1])
+    storage = {
+        graph.in_vids[i]: problem.storage_axes(i, choice) or False for i in problem.leaf_group
+    }
+    assert any(storage.values())
+    plan = plan_from_graph(
+        traced, graph, mesh, {**BATCH, **problem.hints_for(choice)}, BYTES_ONLY, storage
+    )
+    assert problem.comm(choice)[1] == pytest.approx(step_bytes(plan), rel=0.02)
+
+
 @pytest.fixture(scope="module")
 def llama(mesh):
     """A 2-layer Llama (layers under lax.scan) AdamW step, its abstract arguments, and the

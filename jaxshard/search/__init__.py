@@ -16,8 +16,9 @@ Outline, module by module:
    the parameter whose path ends its own. With a memory budget each group may also store
    an extra mesh axis (or the whole mesh) on a free dim: its optimizer state alone
    (ZeRO-1), or, for a parameter every use of which contracts it, the parameter with its
-   state (FSDP/ZeRO-3: gathered at each use, the gathered copy alive from the first use
-   to the last). Each decision picks one candidate (unsharded, or one mesh axis dividing
+   state (FSDP/ZeRO-3: gathered once in each XLA computation that uses it, the gathered
+   copy alive from its first use there to its last; that axis alone is storage, the rest
+   of its layout the computation's). Each decision picks one candidate (unsharded, or one mesh axis dividing
    all its sizes; a class holding a data argument's dim, the unhinted batch, may also
    take any two or more axes at once whose sizes' product divides it); a dim whose
    factor fewer axes divide than its class (8 key heads repeated into 64 query heads on

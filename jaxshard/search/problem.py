@@ -29,6 +29,7 @@ from jaxshard.cost import (
     ring_bytes,
     step_bytes,
     unhaloed,
+    xla_scope,
 )
 from jaxshard.graph import AppKind, find_root, view_dims
 from jaxshard.lattice import Axes, spec_entry, to_spec
@@ -833,7 +834,14 @@ class Problem(MemoryModel):
             free = {decision_of(r) for rs in refs.values() for r in rs} - {None}
             if grp.extra is not None:
                 free.add(grp.extra)
-            uses = {i: len(self._compute_uses(g.in_vids[i])) for i in grp.owners}
+            # a parameter stored apart is gathered once per XLA computation that uses it:
+            # the copy gathered for the first use serves the later ones there (the
+            # backward's uses and a remat body's recomputation read the same copy, as
+            # `jaxshard.plan.Plan.moved_copies` counts it)
+            uses = {
+                i: len({xla_scope(g.apps[a].where) for a in self._compute_uses(g.in_vids[i])})
+                for i in grp.owners
+            }
             for i in grp.owners if grp.extra is not None else ():
                 spots = self._compute_uses(g.in_vids[i])
                 if spots:
