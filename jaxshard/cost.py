@@ -1247,13 +1247,24 @@ class MemoryEstimate:
         return self.arguments + self.results + self.activations
 
 
+# elementwise primitives XLA counts as expensive (`HloInstruction::IsExpensive`): its
+# fusion does not duplicate them into several readers
+EXPENSIVE = frozenset(
+    {"exp", "exp2", "log", "log1p", "expm1", "div", "pow", "sqrt", "rsqrt", "cbrt", "tanh",
+     "logistic", "erf", "erf_inv", "erfc", "atan2", "sin", "cos", "tan", "asin", "acos",
+     "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "lgamma", "digamma", "rem"}
+)  # fmt: skip
+
+
 def fused_liveness(graph, live: Liveness, extend: bool = True) -> Liveness:
     """``live`` less the buffers XLA's fusion never makes: a value an elementwise
     equation computes and only elementwise equations read is recomputed inside its
     readers' fusions, not stored (the backward pass reads such residuals of the
     forward's elementwise chains, say a layer norm's centred input, from their
-    operands). With ``extend`` those operands stay alive until the fused value's last
-    reader, as the recomputation needs them.
+    operands), unless an `EXPENSIVE` equation makes it for several readers (silu's
+    sigmoid, read by the forward's product and the backward's derivative). With
+    ``extend`` those operands stay alive until the fused value's last reader, as the
+    recomputation needs them.
 
     Example:
         >>> import jax.numpy as jnp, jaxshard.rules
@@ -1301,11 +1312,18 @@ def fused_liveness(graph, live: Liveness, extend: bool = True) -> Liveness:
     def fusible(a: int) -> bool:  # XLA fuses a broadcast into its readers too
         return is_elementwise(a) or graph.apps[a].eqn.primitive.name == "broadcast_in_dim"
 
+    # XLA's fusion duplicates a producer into each of several readers only when it is
+    # cheap: an expensive one (an exponential, a division) read twice is stored
+    def duplicable(v: int) -> bool:
+        eqn = graph.apps[producer[v]].eqn
+        return len(set(readers.get(v, ()))) < 2 or eqn.primitive.name not in EXPENSIVE
+
     fused = [
         int(v) for v in live.intermediates
         if int(v) in producer and fusible(producer[int(v)])
         and all(is_elementwise(r) and scope(r) == scope(producer[int(v)])
                 for r in readers.get(int(v), ()))
+        and duplicable(int(v))
     ]  # fmt: skip
     end = live.end.copy()
     if extend:  # later fused values first: their operands may be fused values too
