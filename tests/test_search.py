@@ -9,6 +9,7 @@ are checked on their own."""
 import dataclasses
 import functools
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -178,6 +179,26 @@ def test_an_unmeetable_budget_stays_within_the_time_limit(gpt, mesh, monkeypatch
     with pytest.raises(jaxshard.ShardingError, match="smallest footprint"):
         search_hints(step, args, {}, mesh, BATCH, memory_budget=64 * 1024, time_limit=2.0)
     assert len(limits) > 1 and max(limits) <= 2.0
+
+
+def test_solving_again_starts_with_the_memory_rows_found_before(mesh):
+    # a memory row bounds the model's memory at one equation whatever the budget, so the
+    # search's later solves of one problem (within raised budgets) start with the rows
+    # earlier solves had to add, instead of finding each again
+    step, args = abstract_step("llama")
+    traced, graph = trace_graph(step, args, {}, mesh)
+    unbounded = Problem(traced, graph, mesh, BATCH, CostModel(), None)
+    budget = 0.4 * unbounded.memory(unbounded.baseline()).total
+    problem = Problem(traced, graph, mesh, BATCH, CostModel(), budget)
+    said: list[str] = []
+    first = solver.solve(problem, time.perf_counter(), 60.0, said.append)[0]
+    found = list(problem.memory_points)
+    assert found, "the budget should bind past the first layout's peak"
+    said.clear()
+    again = solver.solve(problem, time.perf_counter(), 60.0, said.append)[0]
+    assert again == first
+    assert not [m for m in said if "adding that memory constraint" in m]
+    assert problem.memory_points == found
 
 
 def test_time_limit_returns_best_found_and_says_so(gpt, mesh):

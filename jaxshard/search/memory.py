@@ -32,7 +32,14 @@ class MemoryModel:
         """Live intermediates at application ``t``: constant bytes, and per term the
         bytes under each joint choice. Each buffer is priced as
         `jaxshard.cost.memory_estimate` prices it (`buffer_bytes`): a loop's stack in its
-        per-iteration layout, a stacked gradient filled in its result's buffer."""
+        per-iteration layout, a stacked gradient filled in its result's buffer. Rows do
+        not depend on the budget: each is computed once per problem."""
+        found = self._activation_rows.get(t)
+        if found is None:
+            found = self._activation_rows[t] = self._activation_row(t)
+        return found
+
+    def _activation_row(self, t: int) -> tuple[float, dict[tuple, np.ndarray]]:
         g, live = self.graph, self.live
         mask = (live.start[live.intermediates] <= t) & (live.end[live.intermediates] >= t)
         const = 0.0

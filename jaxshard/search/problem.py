@@ -174,6 +174,10 @@ class Problem(MemoryModel):
         self._pins(hints)
         # whole choices the integer program may not take (`jaxshard.search._repriced`)
         self.excluded: list[dict[int, int]] = []
+        # equations whose memory rows a solve needed: every later solve starts with them
+        # (a row bounds the model's memory at one equation, true at any budget)
+        self.memory_points: list[int] = []
+        self._activation_rows: dict[int, tuple] = {}  # `activation_row`, per equation
         self._readers: dict[int, list[int]] = {}
         # a value -> the values that are it moved or converted (a transpose, a cast), each
         # with, per its dim, the value's dim: MaxText moves a stack's layer dim to the
