@@ -201,6 +201,25 @@ def test_solving_again_starts_with_the_memory_rows_found_before(mesh):
     assert problem.memory_points == found
 
 
+def test_the_solver_finds_the_same_layout_without_presolve_probing(mesh, monkeypatch):
+    # probing is switched off for speed (`solver.PROBING`); every presolve rule is exact,
+    # so the optimum is as good as with HiGHS's default presolve (a tie between
+    # symmetric layouts may be broken the other way)
+    step, args = abstract_step("llama")
+    traced, graph = trace_graph(step, args, {}, mesh)
+    unbounded = Problem(traced, graph, mesh, BATCH, CostModel(), None)
+    budget = 0.4 * unbounded.memory(unbounded.baseline()).total
+
+    def solved() -> tuple[float, float, int]:
+        problem = Problem(traced, graph, mesh, BATCH, CostModel(), budget)
+        choice = solver.solve(problem, time.perf_counter(), 60.0, lambda _: None)[0]
+        return (*problem.comm(choice), problem.memory(choice).total)
+
+    fast = solved()
+    monkeypatch.setattr(solver, "_presolve_rules_off", lambda: 0)
+    assert solved() == pytest.approx(fast, rel=1e-9)
+
+
 def test_time_limit_returns_best_found_and_says_so(gpt, mesh):
     step, args = gpt
     messages = []
