@@ -287,19 +287,28 @@ def test_chunk_moves_put_every_chunk_in_ring_order_and_back(stages, repeats):
 
 
 def test_circular_adamw_with_fsdp_storage_matches_unsharded(pipe_mesh, llama):
-    """AdamW on the circular schedule, a stacked weight stored FSDP-style: parameters
-    and moments after two steps equal the unsharded step's, the moments stored as their
-    parameter is."""
+    """AdamW on the circular schedule, a stacked weight stored FSDP-style: the moments
+    after two steps equal the unsharded step's, stored as their parameter is, and the
+    parameters agree to a tenth of what the two updates can move them."""
     params, batch = llama
-    opt = optax.adamw(1e-3)
+    lr, steps = 1e-3, 2
+    opt = optax.adamw(lr)
     step = make_train_step(functools.partial(llama_loss, cfg=CFG), opt)
     hints = {**HINTS, r"params/layers/w_up": P(None, "data", "model")}
     piped = jaxshard.auto_shard(pipe_mesh, hints, pipeline=CIRCULAR)(step)
     ref = jax.jit(step)
     mine, theirs = (params, opt.init(params)), (params, opt.init(params))
-    for _ in range(2):
+    for _ in range(steps):
         *mine, loss = piped(*mine, batch)
         *theirs, ref_loss = ref(*theirs, batch)
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_leaves_match(mine, theirs)
+    assert_leaves_match(mine[1], theirs[1])  # the moments: averages of the gradients
+    # AdamW divides each update by its gradient's own scale: where a gradient is near
+    # zero, float32 rounding in another summation order changes the update by a good part
+    # of the learning rate (8.6e-5 on w_gate with JAX 0.12), so the parameters are held
+    # to the updates' size
+    jax.tree.map(
+        lambda a, e: np.testing.assert_allclose(a, e, rtol=0, atol=0.1 * lr * steps),
+        mine[0], theirs[0],
+    )  # fmt: skip
     assert mine[1][0].mu["layers"]["w_up"].sharding.spec == P("stage", "data", "model")
