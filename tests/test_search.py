@@ -181,14 +181,21 @@ def test_an_unmeetable_budget_stays_within_the_time_limit(gpt, mesh, monkeypatch
     assert len(limits) > 1 and max(limits) <= 2.0
 
 
-def test_solving_again_starts_with_the_memory_rows_found_before(mesh):
-    # a memory row bounds the model's memory at one equation whatever the budget, so the
-    # search's later solves of one problem (within raised budgets) start with the rows
-    # earlier solves had to add, instead of finding each again
+@pytest.fixture(scope="module")
+def tight_llama(mesh):
+    """The tiny Llama step traced, with a budget (0.4x its baseline layout's memory) that
+    binds past the baseline's peak: the solver adds memory rows as it goes."""
     step, args = abstract_step("llama")
     traced, graph = trace_graph(step, args, {}, mesh)
     unbounded = Problem(traced, graph, mesh, BATCH, CostModel(), None)
-    budget = 0.4 * unbounded.memory(unbounded.baseline()).total
+    return traced, graph, 0.4 * unbounded.memory(unbounded.baseline()).total
+
+
+def test_solving_again_starts_with_the_memory_rows_found_before(mesh, tight_llama):
+    # a memory row bounds the model's memory at one equation whatever the budget, so the
+    # search's later solves of one problem (within raised budgets) start with the rows
+    # earlier solves had to add, instead of finding each again
+    traced, graph, budget = tight_llama
     problem = Problem(traced, graph, mesh, BATCH, CostModel(), budget)
     said: list[str] = []
     first = solver.solve(problem, time.perf_counter(), 60.0, said.append)[0]
@@ -201,14 +208,11 @@ def test_solving_again_starts_with_the_memory_rows_found_before(mesh):
     assert problem.memory_points == found
 
 
-def test_the_solver_finds_the_same_layout_without_presolve_probing(mesh, monkeypatch):
+def test_the_solver_finds_the_same_layout_without_presolve_probing(mesh, tight_llama, monkeypatch):
     # probing is switched off for speed (`solver.PROBING`); every presolve rule is exact,
     # so the optimum is as good as with HiGHS's default presolve (a tie between
     # symmetric layouts may be broken the other way)
-    step, args = abstract_step("llama")
-    traced, graph = trace_graph(step, args, {}, mesh)
-    unbounded = Problem(traced, graph, mesh, BATCH, CostModel(), None)
-    budget = 0.4 * unbounded.memory(unbounded.baseline()).total
+    traced, graph, budget = tight_llama
 
     def solved() -> tuple[float, float, int]:
         problem = Problem(traced, graph, mesh, BATCH, CostModel(), budget)

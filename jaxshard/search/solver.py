@@ -4,6 +4,7 @@ the smallest-memory layout when no layout meets the budget."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import sys
@@ -265,21 +266,31 @@ def smallest_memory(
 PROBING = 15
 
 
+@functools.cache
 def _presolve_rules_off() -> int:
-    """The ``presolve_rule_off`` bit mask for the search's programs: probing off, where
-    the installed HiGHS numbers its rules as 1.16 does (an older one keeps its default:
-    another numbering would switch another rule off; every presolve rule is exact, so
-    only the seconds would differ).
-
-    Example:
-        >>> _presolve_rules_off() in (0, 1 << PROBING)
-        True
-    """
-    from importlib.metadata import version
+    """The ``presolve_rule_off`` bit mask for the search's programs under the installed
+    HiGHS (`probing_off`); looked up once per process."""
+    from importlib.metadata import PackageNotFoundError, version
 
     try:
-        major, minor = (int(x) for x in version("highspy").split(".")[:2])
-    except (ValueError, ImportError):
+        return probing_off(version("highspy"))
+    except PackageNotFoundError:
+        return 0
+
+
+def probing_off(highs_version: str) -> int:
+    """The ``presolve_rule_off`` mask switching probing off in HiGHS ``highs_version``:
+    where it numbers its rules as 1.16 does (an older one keeps its default: another
+    numbering would switch another rule off; every presolve rule is exact, so only the
+    seconds would differ).
+
+    Example:
+        >>> probing_off("1.16.0") == 1 << PROBING, probing_off("1.15.1"), probing_off("dev")
+        (True, 0, 0)
+    """
+    try:
+        major, minor = (int(x) for x in highs_version.split(".")[:2])
+    except ValueError:
         return 0
     return 1 << PROBING if (major, minor) >= (1, 16) else 0
 
