@@ -232,9 +232,25 @@ class AutoShard:
         if self.static_leaves:
             (dyn_args, dyn_kwargs), leaf_static = partition((dyn_args, dyn_kwargs))
         leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        try:
+            # every call pays this per leaf (a train state has hundreds): one comprehension
+            # of attribute reads when all leaves are arrays, the same key the loop makes
+            signature = tuple([(x.shape, x.dtype, x.weak_type) for x in leaves])
+        except AttributeError:  # a NumPy value, a Python scalar, a typed key
+            signature = self._leaf_signature(leaves, static, dyn_args, dyn_kwargs)
+        key = (tree, signature, static, leaf_static and _static_key(leaf_static, self.fn))
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._build(dyn_args, dyn_kwargs, static, positions, leaf_static)
+            self._cache[key] = entry
+        return entry, leaves, dyn_args, dyn_kwargs
+
+    def _leaf_signature(self, leaves: list, static: tuple, dyn_args: tuple, dyn_kwargs: dict):
+        """Shape, dtype and weak type of each leaf; a leaf that is not an array is an error
+        naming its path."""
         signature = []
         for i, leaf in enumerate(leaves):
-            if isinstance(leaf, jax.Array):  # the common case, read without a new object
+            if isinstance(leaf, jax.Array):  # read without a new object
                 signature.append((leaf.shape, leaf.dtype, bool(getattr(leaf, "weak_type", False))))
                 continue
             try:
@@ -243,12 +259,7 @@ class AutoShard:
                 names = arg_names(self._bind_static(static), dyn_args, dyn_kwargs)[0]
                 abstractify(leaf, names[i])  # raises with the leaf's path
             signature.append((a.shape, a.dtype, a.weak_type))
-        key = (tree, tuple(signature), static, leaf_static and _static_key(leaf_static, self.fn))
-        entry = self._cache.get(key)
-        if entry is None:
-            entry = self._build(dyn_args, dyn_kwargs, static, positions, leaf_static)
-            self._cache[key] = entry
-        return entry, leaves, dyn_args, dyn_kwargs
+        return tuple(signature)
 
     def _bind_static(
         self,
@@ -432,7 +443,13 @@ class AutoShard:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._needs_devices("run")
         entry, flat, _, _ = self._entry(args, kwargs)
-        placed = [_place(x, s) for x, s in zip(flat, entry.lowered.in_shardings)]
+        shardings = entry.lowered.in_shardings
+        try:
+            # a leaf the previous step returned carries the planned sharding object itself:
+            # an identity test per leaf instead of a comparison
+            placed = [x if x.sharding is s else _place(x, s) for x, s in zip(flat, shardings)]
+        except AttributeError:  # a host value among the leaves
+            placed = [_place(x, s) for x, s in zip(flat, shardings)]
         outs = entry(placed)
         out = jax.tree_util.tree_unflatten(
             entry.lowered.plan.traced.out_tree, self._to_caller_mesh(outs)
