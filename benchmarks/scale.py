@@ -4,6 +4,14 @@ to 1024 devices, hand layouts under jaxshard and under XLA alone, and the search
     python -m benchmarks.scale                          # 8B on 64 devices
     python -m benchmarks.scale --devices 64,256,1024    # and the 70B shape on 256, 1024
     python -m benchmarks.scale --fast                   # 2 layers of each shape, 64 devices
+    python -m benchmarks.scale --mock-gpu 1x64x1 --fast --search none --dump DIR
+                                                        # on one GPU: XLA's GPU compiler
+
+``--mock-gpu SLICESxHOSTSxDEVICES`` runs on a GPU host in one process, with JAX's mocked
+GPU topology (``jax_mock_gpu_topology``: one real GPU stands for every device of the
+topology, the others exist for compiling only), so the same rows are compiled by XLA's
+GPU backend instead of its CPU one; results go to ``results/scale_gpu.md``. ``--dump DIR``
+writes each compiled program's text there, one file per row, to read what XLA did.
 
 Steps are `examples/models.py`'s Llama (layers under `lax.scan` with a `jax.checkpoint`
 body, GQA, SwiGLU, vocab 128256, seq 4096, AdamW, float32) with abstract arguments: the
@@ -145,6 +153,7 @@ def measure(devices: int, fast: bool, models_: str = "", search: str = "all") ->
             if measured(row, jaxshard.auto_shard(mesh, hints)(w.step), w, mesh):
                 try:
                     alone = shardy_alone(w.step, w.args, mesh, hints).compile()
+                    _dump(row, "xla-alone", alone)
                     row["xla_bytes"], row["xla_memory"] = compiled_cost(alone, mesh)
                 except Exception as e:  # noqa: BLE001 - a row that fails says so in the table
                     _failed(row, e)
@@ -155,6 +164,17 @@ def measure(devices: int, fast: bool, models_: str = "", search: str = "all") ->
                     and r["mesh"] == row["mesh"] and "budget" not in r]  # fmt: skip
             rows += search_rows(w, mesh, axes, hand, tight=search == "tight")
     return rows
+
+
+DUMP: list[str] = []  # ``--dump``: the folder compiled programs are written to
+
+
+def _dump(row: dict, tag: str, compiled) -> None:
+    if DUMP:
+        name = "-".join(str(row[k]) for k in ("model", "layers", "mesh", "layout") if k in row)
+        name += f"-{row['budget']}" if "budget" in row else ""
+        with open(os.path.join(DUMP[0], re.sub(r"[^\w.+-]", "_", f"{name}-{tag}.hlo")), "w") as f:
+            f.write(compiled.as_text())
 
 
 def measured(row: dict, step, w, mesh) -> bool:
@@ -169,7 +189,9 @@ def measured(row: dict, step, w, mesh) -> bool:
         row["plan_s"] = time.perf_counter() - start
         row["predicted"] = plan.predicted_bytes
         row["estimated"] = plan.estimated_memory.total
-        ours = compiled_cost(step.lower(*w.args).compile(), mesh)
+        compiled = step.lower(*w.args).compile()
+        _dump(row, "jaxshard", compiled)
+        ours = compiled_cost(compiled, mesh)
         row["bytes"], row["memory"] = ours.bytes, ours.memory
     except Exception as e:  # noqa: BLE001 - a row that fails says so in the table
         _failed(row, e)
@@ -265,6 +287,7 @@ def search_table(rows: list[dict]) -> str:
 def run(device_counts: list[int], fast: bool, models_: str = "", search: str = "all") -> list[dict]:
     """Each device count in a subprocess with that many simulated CPU devices."""
     argv = ["--search", search] + (["--models", models_] if models_ else [])
+    argv += ["--dump", DUMP[0]] if DUMP else []
     return per_device_count("benchmarks.scale", device_counts, argv + (["--fast"] if fast else []))
 
 
@@ -296,8 +319,21 @@ def main(argv=None) -> None:
         choices=("all", "tight", "none"),
         help="searches: every budget, the tightest from the batch hint, none",
     )
+    parser.add_argument(
+        "--mock-gpu",
+        default="",
+        metavar="TOPOLOGY",
+        help="on a GPU host: compile for a mocked topology, e.g. 1x64x1 (64 devices)",
+    )
+    parser.add_argument("--dump", default="", help="write each compiled program here")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # one count, in-process
     args = parser.parse_args(argv)
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
+        DUMP.append(args.dump)
+    if args.mock_gpu:
+        mock_gpu(args)
+        return
     if args.one:
         print(json.dumps(measure(args.one, args.fast, args.models, args.search)))
         return
@@ -322,6 +358,38 @@ def main(argv=None) -> None:
         + "\n"
     )
     write_result("scale", text, quick=args.fast)
+
+
+def mock_gpu(args) -> None:
+    """The rows for one mocked GPU topology, in this process, on XLA's GPU backend."""
+    import math
+
+    import jax
+
+    jax.config.update("jax_mock_gpu_topology", args.mock_gpu)
+    devices = jax.devices()
+    if devices[0].platform != "gpu":
+        raise SystemExit(f"--mock-gpu needs a GPU backend; JAX runs on {devices[0].platform}")
+    n = math.prod(int(x) for x in args.mock_gpu.split("x"))
+    start = time.perf_counter()
+    rows = measure(n, args.fast, args.models, args.search)
+    text = (
+        "# Real sizes on XLA's GPU compiler: estimates against compiled programs\n\n"
+        f"The rows of `results/scale.md`, compiled by XLA's GPU backend ({devices[0].device_kind}"
+        f", JAX {jax.__version__}) for a mocked topology of {n} devices "
+        f"(`jax_mock_gpu_topology={args.mock_gpu}`).\n\n"
+        f"`python -m benchmarks.scale --mock-gpu {args.mock_gpu}"
+        + (" --fast" if args.fast else "")
+        + (f" --models {args.models}" if args.models else "")
+        + (f" --search {args.search}" if args.search != "all" else "")
+        + f"` ({time.perf_counter() - start:.0f} s; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})."
+        + "\n\n"
+        + table([r for r in rows if "budget" not in r])
+        + "\n"
+    )
+    if any("budget" in r for r in rows):
+        text += "\n## The search\n\n" + search_table([r for r in rows if "budget" in r]) + "\n"
+    write_result("scale_gpu", text, quick=False)
 
 
 if __name__ == "__main__":
