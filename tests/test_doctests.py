@@ -53,7 +53,7 @@ def test_engine_imports_form_no_circle():
     root = pathlib.Path(jaxshard.__file__).parent
     files = {  # the engine's modules, a package's modules named by the package
         ".".join(p.relative_to(root).with_suffix("").parts): p for p in root.glob("*.py")
-    } | {p.parent.name + "." + p.stem: p for p in root.glob("search/*.py")}
+    } | {p.parent.name + "." + p.stem: p for p in root.glob("*/*.py")}  # each subpackage
     files = {n.removesuffix(".__init__"): p for n, p in files.items() if n != "__init__"}
     modules = set(files) - {"__main__"}
     edges = {}

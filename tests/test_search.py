@@ -478,7 +478,7 @@ def test_a_batch_of_one_is_split_along_its_sequence(mesh):
 def test_search_plans_its_storage_layouts_once(gpt, mesh, megatron, monkeypatch):
     # the search prices which leaves are stored apart: planning does not retry each
     # searched leaf's storage layout on the computation (one propagation per layout)
-    import jaxshard.plan as plan_module
+    import jaxshard.plan.make as plan_module  # the pipeline calls propagate_pins from here
 
     calls = []
     propagate = plan_module.propagate_pins

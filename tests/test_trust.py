@@ -146,7 +146,7 @@ def test_donate_state_donates_only_what_the_step_returns_as_new_state(mesh):
 def test_flax_fsdp_metadata_plans_each_storage_layout_once_per_hint(mesh):
     # every kernel stored on "data" (FSDP) by its own metadata: the storage pins of one
     # metadata spec are tried on the computation together, not once per leaf
-    import jaxshard.plan as plan_module
+    import jaxshard.plan.make as plan_module  # the pipeline calls propagate_pins from here
 
     nnx = pytest.importorskip("flax.nnx")
 

@@ -1,0 +1,212 @@
+"""What each equation of a finished propagation does: which equations are dead or
+duplicates XLA merges, which need a look in the final pass (`analyzed_apps`), and the
+operands and results each moves into or out of the layout it works in (`app_moves`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from jaxshard.cost import (
+    per_device_bytes,
+)
+from jaxshard.graph import AppKind, Graph, contracts
+from jaxshard.lattice import DimSharding, slices_locally
+from jaxshard.propagate import (
+    Propagator,
+)
+from jaxshard.rule import FactorKind
+
+
+def dead_apps(g: Graph) -> set[int]:
+    """Equations whose results nothing uses (JAX's tracing keeps them; XLA removes them).
+
+    Example:
+        >>> dead_apps(plan.graph)  # doctest: +SKIP
+        {12, 13}
+    """
+    cached = g.memo.get("dead_apps")
+    if cached is not None and cached[0] == len(g.apps):  # planning asks more than once
+        return cached[1]
+    readers = [0] * len(g.shapes)
+    for app in g.apps:
+        for v in app.operands:
+            readers[v] += 1
+        if app.kind is not AppKind.EQN:  # links and ties read their results too
+            for v in app.results:
+                readers[v] += 1
+    for v in g.out_vids:
+        readers[v] += 1
+    producer = g.producers()
+    dead: set[int] = set()
+    work = [
+        a
+        for a, app in enumerate(g.apps)
+        if app.kind is AppKind.EQN and not any(readers[v] for v in app.results)
+    ]
+    while work:
+        a = work.pop()
+        if a in dead:
+            continue
+        dead.add(a)
+        for v in g.apps[a].operands:
+            readers[v] -= 1
+            p = producer.get(v)
+            if readers[v] == 0 and p is not None and not any(readers[r] for r in g.apps[p].results):
+                work.append(p)
+    g.memo["dead_apps"] = (len(g.apps), frozenset(dead))
+    return g.memo["dead_apps"][1]
+
+
+def duplicate_app(app, seen: dict) -> bool:
+    """True for an equation identical to an earlier one (same primitive, operands and
+    params), which XLA's common-subexpression elimination merges; ``seen`` collects the
+    equations met so far.
+
+    Example:
+        >>> seen = {}
+        >>> [duplicate_app(app, seen) for app in plan.graph.apps]  # doctest: +SKIP
+        [False, False, True]
+    """
+    if app.eqn is None:
+        return False
+    head = (app.eqn.primitive, app.operands)
+    # the params are compared only between equations of one primitive on the same
+    # operands (sorting every equation's params was a tenth of `decide`)
+    earlier = seen.get(head)
+    if earlier is None:
+        seen[head] = [app.eqn.params]
+        return False
+    key = _params_key(app.eqn.params)
+    if key is None:
+        return False
+    for k, params in enumerate(earlier):
+        if isinstance(params, Mapping):  # an earlier equation's params, keyed lazily
+            params = earlier[k] = _params_key(params)
+        if params == key:
+            return True
+    earlier.append(key)
+    return False
+
+
+def _params_key(params: Mapping) -> tuple | None:
+    """Hashable params, or None when some value is not (never a duplicate then)."""
+    key = tuple(sorted(params.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def analyzed_apps(g: Graph, prop: Propagator) -> list[int]:
+    """The applications that may need a reshard: not dead code, not a duplicate of an
+    earlier equation (unless it reduces: `_reduces`), not already working in its values'
+    layouts (`Propagator.settled`).
+
+    Example:
+        >>> analyzed_apps(plan.graph, prop)  # doctest: +SKIP
+        [3, 7, 12]
+    """
+    seen: dict = {}
+    dead = dead_apps(g)
+    return [
+        a
+        for a, app in enumerate(g.apps)
+        if a not in dead
+        and not (duplicate_app(app, seen) and not _reduces(app))
+        and not prop.settled(a)
+    ]
+
+
+def _reduces(app) -> bool:
+    """Whether an application has a reduction factor. XLA merges a duplicate equation
+    but not the all-reduce of its partial result (collectives are never merged as
+    common subexpressions): a softmax computed twice all-reduces its maximum twice, as
+    one tuple all-reduce of the same operand."""
+    return app.eqn is not None and any(f.kind is FactorKind.REDUCTION for f in app.rule.factors)
+
+
+Move = tuple[int, tuple[DimSharding, ...], tuple[DimSharding, ...], frozenset[str]]
+
+
+def app_moves(
+    prop: Propagator, axis_sizes: Mapping[str, int], a: int
+) -> tuple[list[Move], frozenset[str]]:
+    """What application ``a`` of a finished propagation moves: ``(value, from, to,
+    pending partial axes)`` for each operand brought to the layout the equation works in
+    and each result taken from it (a partial sum when the equation reduces over sharded
+    axes) to its own layout; and those partial axes. Moves may cost nothing (a slice).
+
+    Example:
+        >>> app_moves(prop, {"data": 2}, 5)  # doctest: +SKIP
+        ([(17, (('data',), ()), ((), ()), frozenset())], frozenset())
+    """
+    dims = prop.state.dims
+    graph = prop.graph
+    results = graph.apps[a].results
+    if a in graph.out_links and _slices(dims[graph.apps[a].operands[0]], dims[results[0]]):
+        return [], frozenset()  # each device cuts its part of the nested result: no move
+    wants: dict[int, list[DimSharding]] = {}
+    working, axes = prop.working(a)
+    axes = axes.kept(lambda x: axis_sizes[x] > 1)  # one device: summed already
+    for vid, d, want in working:
+        if want is not None and dims[vid][d] != want:
+            wants.setdefault(vid, list(dims[vid]))[d] = want
+    if axes and contracts(graph.apps[a]):
+        gathered = _gathered_instead(graph, dims, wants, axes, axis_sizes, a)
+        if gathered is not None:
+            return gathered, frozenset()
+    moves: list[Move] = [
+        (vid, tuple(dims[vid]), tuple(work), frozenset())
+        for vid, work in wants.items()
+        if vid not in results
+    ]
+    for r in results:
+        if axes or r in wants:
+            moves.append((r, tuple(wants.get(r, dims[r])), tuple(dims[r]), axes))
+    return moves, axes
+
+
+def _gathered_instead(graph, dims, wants, axes, axis_sizes, a) -> list[Move] | None:
+    """The moves XLA makes instead of a contraction's partial sum when one operand alone
+    holds the contracted dim split (the other is whole there and would be sliced) and,
+    gathered, it is no larger than the result: it all-gathers that operand and
+    contracts whole, moving at most half the bytes of the result's all-reduce (measured:
+    ``x[b, k/4] @ w[k, n]`` gathers x when k <= n and all-reduces the product when k >
+    n). None where the partial sum stands: the result is scattered over the summed
+    axes (a reduce-scatter), or both operands hold them."""
+    app = graph.apps[a]
+    (r,) = app.results if len(app.results) == 1 else (None,)
+    if r is None or any(x in axes for d in dims[r] for x in d):
+        return None
+    holders = [v for v in app.operands if any(x in axes for d in dims[v] for x in d)]
+    if len(holders) != 1 or holders[0] in wants:
+        return None
+    (x,) = holders
+    for v, work in wants.items():
+        if v != r and any(
+            tuple(y for y in w if y not in axes) != tuple(d) for d, w in zip(dims[v], work)
+        ):  # not only a slice over the summed axes
+            return None
+    whole = tuple(tuple(y for y in d if y not in axes) for d in dims[x])
+    out = tuple(wants.get(r, dims[r]))
+    if per_device_bytes(graph.shapes[x], graph.dtypes[x], whole, axis_sizes) > per_device_bytes(
+        graph.shapes[r], graph.dtypes[r], out, axis_sizes
+    ):
+        return None
+    moves: list[Move] = [(x, tuple(dims[x]), whole, frozenset())]
+    if r in wants:
+        moves.append((r, out, tuple(dims[r]), frozenset()))
+    return moves
+
+
+def _slices(outer: Sequence[DimSharding], inner: Sequence[DimSharding]) -> bool:
+    """Whether a nested result in layout ``inner`` reaches the outer value's layout
+    ``outer`` by a local slice (`slices_locally`), less a leading stacked dim.
+
+    Example:
+        >>> _slices([(), ("data",), ()], [(), ()]), _slices([("data",)], [("model",)])
+        (True, False)
+    """
+    lead = len(outer) - len(inner)
+    return lead in (0, 1) and slices_locally(outer[lead:], inner)

@@ -1,0 +1,355 @@
+"""Settling what propagation left open: large state no hint reached is split where that
+saves memory for few more collective bytes (`split_for_memory`, priced by `_Pricing`),
+the rest is replicated (`settle_open`), stacked slices keep their stack's layout, and
+the `Plan` is made (`decide`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from jax.sharding import Mesh
+
+from jaxshard.annotate import Pin
+from jaxshard.cost import (
+    MemoryCurve,
+    executions,
+    has_reduce_scatter,
+    human_bytes,
+    liveness,
+    nbytes,
+    per_device_bytes,
+    reshard_collectives,
+)
+from jaxshard.graph import AppKind, Graph
+from jaxshard.lattice import DimSharding, slices_locally
+from jaxshard.plan.apps import app_moves, dead_apps, duplicate_app
+from jaxshard.plan.record import Plan
+from jaxshard.propagate import (
+    DEFAULT_RANK,
+    Origin,
+    OriginKind,
+    Propagator,
+)
+from jaxshard.rule import FactorKind
+from jaxshard.trace import Traced
+
+UNREACHED = "replicated: no hint or propagation reached it"
+
+
+def decide(traced: Traced, graph: Graph, prop: Propagator, mesh: Mesh) -> Plan:
+    """Settle what propagation left open and make the `Plan`: large state that no hint
+    reached is split where that saves memory for few collective bytes
+    (`split_for_memory`), the rest is replicated (arguments first, then everything else).
+
+    Example:
+        >>> plan = decide(traced, graph, propagate_hints(traced, graph, mesh), mesh)  # doctest: +SKIP
+    """
+    split_for_memory(graph, prop, has_reduce_scatter(mesh))
+    settle_open(prop)
+    return Plan(traced, graph, prop, mesh)
+
+
+def settle_open(prop: Propagator) -> None:
+    """Replicate what propagation left open (the arguments first, then everything else)
+    and keep stacked slices in their stack's layout (`sink_stacked_gathers`).
+
+    Example:
+        >>> settle_open(prop)  # doctest: +SKIP
+    """
+    g = prop.graph
+    prop.default(g.in_vids, UNREACHED)
+    prop.default(range(len(g.shapes)), UNREACHED)
+    sink_stacked_gathers(g, prop)
+
+
+def sink_stacked_gathers(graph: Graph, prop: Propagator) -> None:
+    """Gather a scanned stack one slice per iteration, not whole before the loop.
+
+    Where a loop body needs a stacked input (layer weights under `lax.scan`) in a
+    coarser layout than the stack's (FSDP: stored split, used whole), the slice the body
+    reads keeps the stack's layout and is gathered at its uses inside the body, once per
+    iteration. That moves the same bytes as gathering the whole stack at the loop, holds
+    one gathered layer instead of all of them, and is what XLA does with the stack left
+    in its stored layout (a dynamic slice, then the all-gather).
+
+    Example:
+        >>> sink_stacked_gathers(plan.graph, prop)  # doctest: +SKIP
+    """
+    dims, origins = prop.state.dims, prop.state.origins
+    for a, app in enumerate(graph.apps):
+        if app.kind is not AppKind.LINK or a in graph.out_links or len(app.results) != 1:
+            continue  # only a loop's stacked inputs: an out-link carries a body's result
+        stack, piece = app.operands[0], app.results[0]
+        factors = app.rule.factors
+        if (
+            not factors
+            or factors[0].kind is not FactorKind.NEED_REPLICATION
+            or len(graph.shapes[stack]) != len(graph.shapes[piece]) + 1
+        ):
+            continue
+        stored, used = dims[stack][1:], dims[piece]
+        if tuple(stored) == tuple(used) or not slices_locally(stored, used):
+            continue  # not a gather: the body's layout is not coarser than the stack's
+        for d, axes in enumerate(stored):
+            if axes != used[d]:
+                dims[piece][d] = axes
+                origins[piece][d] = Origin(
+                    OriginKind.PROPAGATED, app=a, source=stack, source_dim=d + 1,
+                    rank=origins[stack][d + 1].rank if origins[stack][d + 1] else DEFAULT_RANK,
+                )  # fmt: skip
+
+
+# A state leaf is worth pricing a split for when it holds at least this share of the
+# arguments' per-device bytes; together, the splits kept may add at most this share to
+# the plan's collective cost (bytes per device, or seconds under a cost model).
+MEMORY_SHARE, COST_ALLOWANCE = 0.01, 0.02
+
+
+class _Pricing:
+    """The plan `decide` would make from a propagation (its open dims replicated by
+    propagating defaults) and what it costs: per application the collective cost, and
+    the memory estimate. `price` costs the same plan with some values laid out
+    otherwise: only the applications around them are priced again, and ``moved`` says
+    whether those applications gather more than before (the new layout is then a
+    storage layout, gathered again for its use or its results). `keep` makes such a change
+    part of the plan."""
+
+    def __init__(
+        self, prop: Propagator, live, runs: list[int], apps: list[int], reduce_scatter: bool
+    ):
+        g = prop.graph
+        self.reduce_scatter = reduce_scatter
+        final = prop.fork()
+        settle_open(final)
+        self.final, self.runs, self.apps = final, runs, set(apps)
+        # per application (cost, gathered bytes), priced when first needed
+        self.costs: dict[int, tuple[float, float]] = {}
+        self._cost: float | None = None
+        tied = dict((g.out_vids[o], g.in_vids[i]) for i, o in g.ties)
+        sources = [tied.get(v, v) for v in g.out_vids]
+        self.memory = MemoryCurve(g, final.state.dims, prop.axis_sizes, sources, live)
+        # a new value returned in its argument's layout (`Plan._returned`), priced as a
+        # move at the end of the step: result -> argument
+        self.returned = {r: i for r, i in tied.items() if r not in prop.hinted and r != i}
+
+    @property
+    def cost(self) -> float:
+        """The plan's collective cost (every application priced once, on first use)."""
+        if self._cost is None:
+            self._cost = sum(self._app(a)[0] for a in self.apps)
+            self._cost += sum(self._app(("returned", r))[0] for r in self.returned)
+        return self._cost
+
+    def _app(self, a) -> tuple[float, float]:
+        """The cost of application ``a``, or of returning value ``v`` for ``a = ("returned",
+        v)``."""
+        found = self.costs.get(a)
+        if found is None:
+            found = self.costs[a] = self._price_of(a)
+        return found
+
+    def _price_of(self, a) -> tuple[float, float]:
+        if isinstance(a, tuple):
+            return _return_cost(self.final, a[1], self.returned[a[1]], self.reduce_scatter)
+        return _app_cost(self.final, a, self.runs[a], self.reduce_scatter)
+
+    def price(self, changed: dict[int, list[DimSharding]]) -> tuple[float, int, bool, dict]:
+        """``(extra collective cost, memory, moved, per-application costs)`` with the
+        values in ``changed`` laid out as given there."""
+        dims = self.final.state.dims
+        touched: set = {a for v in changed for a in self.final.uses[v] if a in self.apps}
+        touched |= {
+            ("returned", r) for r, i in self.returned.items() if r in changed or i in changed
+        }
+        before = {a: self._app(a) for a in touched}
+        old = {v: dims[v] for v in changed}
+        costs = {}
+        try:
+            for v, new in changed.items():
+                dims[v] = new
+            for a in touched:
+                costs[a] = self._price_of(a)
+        finally:
+            for v, d in old.items():
+                dims[v] = d
+        extra = sum(c[0] - before[a][0] for a, c in costs.items())
+        moved = sum(c[1] - before[a][1] for a, c in costs.items()) > 0
+        return extra, self.memory.total_with(changed), moved, costs
+
+    def settled_changes(self, prop: Propagator) -> dict[int, list[DimSharding]]:
+        """The values whose layout differs from this plan's once ``prop`` (this plan's
+        propagation with a decision added) is settled as `decide` settles it."""
+        final = prop.fork()
+        settle_open(final)
+        now, old = final.state.dims, self.final.state.dims
+        return {v: now[v] for v in range(len(now)) if now[v] != old[v]}
+
+    def keep(
+        self, changed: dict[int, list[DimSharding]], costs: dict[int, tuple[float, float]]
+    ) -> None:
+        """Make a priced change part of the plan."""
+        dims = self.final.state.dims
+        for v, new in changed.items():
+            dims[v] = new
+        self.cost  # noqa: B018 - the total before the change, then moved by the delta
+        self._cost += sum(c[0] - self._app(a)[0] for a, c in costs.items())
+        self.costs.update(costs)
+        self.memory.update(changed)
+
+
+def _return_cost(prop: Propagator, r: int, arg: int, reduce_scatter: bool) -> tuple[float, float]:
+    """What returning value ``r`` in argument ``arg``'s layout costs, once per call (as
+    `_app_cost`)."""
+    g, dims = prop.graph, prop.state.dims
+    src = [() if d is None else d for d in dims[r]]
+    dst = [() if d is None else d for d in dims[arg]]
+    steps = reshard_collectives(g.shapes[r], g.dtypes[r], src, dst, prop.axis_sizes,
+                                frozenset(), reduce_scatter)  # fmt: skip
+    return _steps_cost(prop, steps, 1)
+
+
+def _steps_cost(prop: Propagator, steps, runs: int) -> tuple[float, float]:
+    """Collectives run ``runs`` times: their cost (bytes per device, or seconds under the
+    propagator's cost model) and the bytes of it that gather or rearrange a layout."""
+    total = gathered = 0.0
+    for step in steps:
+        if prop.cost_model is None:
+            total += step.ring_bytes * runs
+        else:
+            total += prop.cost_model.collective_time(step.axes, step.ring_bytes) * runs
+        if step.kind in ("all-gather", "all-to-all"):
+            gathered += step.ring_bytes * runs
+    return total, gathered
+
+
+def _app_cost(prop: Propagator, a: int, runs: int, reduce_scatter: bool) -> tuple[float, float]:
+    """The collective cost of application ``a`` run ``runs`` times per call (bytes per
+    device, or seconds under the propagator's cost model), and the bytes of it that
+    gather or rearrange a layout (all-gathers, all-to-alls) rather than sum partials."""
+    if prop.settled(a):
+        return 0.0, 0.0
+    g, sizes = prop.graph, prop.axis_sizes
+    steps = [step for _, step in prop.halos(a)]
+    for vid, src, dst, partial in app_moves(prop, sizes, a)[0]:
+        steps += reshard_collectives(
+            g.shapes[vid], g.dtypes[vid], src, dst, sizes, partial, reduce_scatter
+        )
+    return _steps_cost(prop, steps, runs)
+
+
+def split_for_memory(
+    graph: Graph, prop: Propagator, reduce_scatter: bool = True
+) -> list[tuple[int, Pin]]:
+    """Split large state no hint pinned where that saves memory for few more bytes.
+
+    After propagation a parameter (or optimizer state) that no hint pinned may have open
+    dims, and `decide` would replicate them: every device then holds the whole of it, its
+    optimizer state and its new value (an embedding table and the output head, the
+    largest weights of a language model, under tensor-parallel hints on the blocks).
+    For each such leaf holding at least `MEMORY_SHARE` of the arguments' memory,
+    largest first, each way of splitting one open dim over one mesh axis it does not
+    use yet is propagated and priced like the rest of the plan: the collectives it
+    changes (`app_moves`, times their executions) and the memory estimate
+    (`jaxshard.cost.memory_estimate`). The split that saves the most memory is kept
+    when it saves some, all kept splits together add at most `COST_ALLOWANCE` of the
+    plan's collective cost, the leaf is used in its split layout (a split its uses
+    gather again is a storage layout, FSDP, whose gathered copies the memory estimate
+    does not see: those come from hints or the search), and no leaf a hint pinned
+    changes. A vocabulary-parallel head and embedding pass: splitting the head's
+    vocabulary dim shards the logits and their softmax for a few all-reduces of
+    per-token scalars, and a lookup in a split table is summed once per token instead
+    of the table's gradient once per step. ``reduce_scatter``: whether the backend has
+    one (`jaxshard.cost.has_reduce_scatter`). Returns the ``(value, pin)`` kept;
+    their origin names the memory saved and the cost.
+
+    Example:
+        >>> split_for_memory(graph, prop)  # doctest: +SKIP
+        [(3, Pin(dims=(('model',), None), source='split to save memory: ...'))]
+    """
+    sizes = prop.axis_sizes
+    state = dict.fromkeys(graph.in_vids[i] for i, _ in graph.ties)
+    dims = prop.state.dims
+    open_state = [
+        v
+        for v in state
+        if v not in prop.hinted and None in dims[v] and _split_options(graph, dims, v, sizes)
+    ]
+    if not open_state:
+        return []
+
+    # the arguments alone (open dims replicated) bound the plan's memory from below
+    floor = MEMORY_SHARE * sum(
+        per_device_bytes(graph.shapes[v], graph.dtypes[v], dims[v], sizes)
+        for v in set(graph.in_vids)
+    )
+    big = sorted(
+        (v for v in open_state if nbytes(graph.shapes[v], graph.dtypes[v]) >= floor),
+        key=lambda v: -nbytes(graph.shapes[v], graph.dtypes[v]),
+    )
+    if not big:
+        return []
+    dead = dead_apps(graph)
+    live, runs = liveness(graph, dead), executions(graph)
+    seen: dict = {}
+    apps = [a for a, app in enumerate(graph.apps) if a not in dead and not duplicate_app(app, seen)]
+    base = _Pricing(prop, live, runs, apps, reduce_scatter)
+    spent, memory = 0.0, base.memory.total
+    hinted = set(prop.hinted)  # the user's leaves keep their layout, open dims included
+    kept = []
+    for vid in big:
+        if None not in dims[vid]:
+            continue  # a split kept before reached it
+        options = []
+        for d, axis in _split_options(graph, dims, vid, sizes):
+            pin = Pin(tuple((axis,) if i == d else None for i in range(len(dims[vid]))), "")
+            with prop.trying() as written:  # first priced as propagation leaves it
+                prop.pin(vid, pin, DEFAULT_RANK)
+                prop.run()
+                changed = {
+                    v: [() if x is None else x for x in dims[v]]
+                    for v in dict.fromkeys(v for v, *_ in written)
+                }
+            if not hinted.isdisjoint(changed):
+                continue  # it would change a leaf the user pinned
+            extra, total, moved, _ = base.price(changed)
+            if not moved and total < memory and spent + extra <= COST_ALLOWANCE * base.cost:
+                options.append((total, d, axis, pin))
+        best = None
+        for _, _, _, pin in sorted(options):  # then as `decide` would settle it
+            with prop.trying():
+                prop.pin(vid, pin, DEFAULT_RANK)
+                prop.run()
+                changed = base.settled_changes(prop)
+            if not hinted.isdisjoint(changed):
+                continue
+            extra, total, moved, costs = base.price(changed)
+            if not moved and total < memory and spent + extra <= COST_ALLOWANCE * base.cost:
+                best = (extra, total, pin, changed, costs)
+                break
+        if best is None:
+            continue
+        extra, total, pin, changed, costs = best
+        shown = f"{extra:.0f} B" if prop.cost_model is None else f"{extra * 1e6:.2f} µs"
+        pin = Pin(pin.dims, f"split to save memory: {human_bytes(memory - total)} less per "
+                            f"device for {shown} more collectives per step")  # fmt: skip
+        prop.pin(vid, pin, DEFAULT_RANK)
+        prop.run()
+        kept.append((vid, pin))
+        spent += extra
+        base.keep(changed, costs)
+        memory = total
+    return kept
+
+
+def _split_options(graph: Graph, dims, vid: int, sizes: Mapping[str, int]) -> list[tuple[int, str]]:
+    """``(dim, mesh axis)`` for each open dim of ``vid`` and each mesh axis of size > 1 it
+    does not use yet that divides the dim."""
+    used = {x for d in dims[vid] if d for x in d}
+    shape = graph.shapes[vid]
+    return [
+        (d, x)
+        for d, have in enumerate(dims[vid])
+        if have is None
+        for x, n in sizes.items()
+        if n > 1 and x not in used and shape[d] % n == 0
+    ]
