@@ -1,0 +1,363 @@
+"""Collectives of a reshard: the steps XLA's partitioner takes from one layout to
+another (`reshard_steps`), each step's collectives and ring bytes per device
+(`reshard_collectives`), pending partial sums, halo exchanges, and what the backend
+runs as such (`has_reduce_scatter`, `combines_all_reduces`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from jax.sharding import AbstractMesh
+
+from jaxshard.cost.sizes import itemsize, nbytes, per_device_shape, ring_bytes, shards
+from jaxshard.lattice import DimSharding
+from jaxshard.rule import FactorKind
+
+
+class PartialSum(frozenset):
+    """The mesh axes over which a value holds pending partial sums, grouped by the
+    reduction factor that left them: XLA sums each group in an all-reduce of its own (a
+    weight gradient contracting a batch split over "data" and positions split over
+    "model" is two all-reduces, one per axis, not one over both). A frozenset of the
+    axes everywhere else.
+
+    Example:
+        >>> s = PartialSum([("data",), ("model",)])
+        >>> sorted(s), s.groups, "data" in s
+        (['data', 'model'], (('data',), ('model',)), True)
+        >>> s.kept(lambda axis: axis != "data").groups
+        (('model',),)
+    """
+
+    groups: tuple[tuple[str, ...], ...]
+
+    def __new__(cls, groups=()):
+        groups = tuple(tuple(g) for g in groups if g)
+        self = super().__new__(cls, (a for g in groups for a in g))
+        self.groups = groups
+        return self
+
+    def __reduce__(self):
+        return PartialSum, (self.groups,)
+
+    def kept(self, keep) -> PartialSum:
+        """The axes ``keep(axis)`` accepts, in their groups."""
+        return PartialSum(tuple(a for a in g if keep(a)) for g in self.groups)
+
+
+def pending_sums(rule, values) -> PartialSum:
+    """The partial sums an equation leaves when its factors are split as ``values``
+    (factor -> mesh axes): one group per reduction factor, except that the windowed
+    reduction factors (a kernel gradient summed over the rows and the columns of an
+    image split both ways) are summed together, in one all-reduce over all their axes,
+    as XLA emits it.
+
+    Example:
+        >>> from jaxshard.rule import Factor, FactorKind, Rule, Window
+        >>> r, w = FactorKind.REDUCTION, Window(8, 8)
+        >>> rule = Rule((Factor("a", 8, r), Factor("b", 8, r, window=w),
+        ...              Factor("c", 8, r, window=w)), (), ())
+        >>> pending_sums(rule, {0: ("d",), 1: ("x",), 2: ("y",)}).groups
+        (('d',), ('x', 'y'))
+    """
+    factors = rule.factors
+    groups, windowed = [], []
+    for f, axes in sorted(values.items()):
+        if factors[f].kind is FactorKind.REDUCTION:
+            (windowed if factors[f].window is not None else groups).append(axes)
+    return PartialSum([*groups, tuple(a for axes in windowed for a in axes)])
+
+
+def partial_groups(partial: frozenset[str]) -> tuple[tuple[str, ...], ...]:
+    """The all-reduce groups of pending ``partial`` sums: a `PartialSum`'s own, else one
+    group of every axis.
+
+    Example:
+        >>> partial_groups(frozenset({"data", "model"}))
+        (('data', 'model'),)
+    """
+    groups = getattr(partial, "groups", None)
+    if groups is not None:
+        return groups
+    return (tuple(sorted(partial)),) if partial else ()
+
+
+class PlannedCollective(NamedTuple):
+    """One collective a reshard calls for: its kind, the mesh axes it runs over, and the
+    bytes one device sends (ring volumes). Prints as the plan's explanation shows it.
+
+    Example:
+        >>> print(PlannedCollective("all-gather", ("data", "model"), 768.0))
+        all-gather over data,model
+    """
+
+    kind: str
+    axes: tuple[str, ...]
+    ring_bytes: float  # what one device sends (ring volume), not a buffer's size
+
+    def __str__(self) -> str:
+        return f"{self.kind} over {','.join(self.axes)}"
+
+
+def unhaloed(rule, values, axis_sizes) -> set[int]:
+    """The windowed factors of ``rule`` split in ``values`` (factor -> mesh axes) whose
+    shards would need more than their neighbours' rows (`jaxshard.rule.Window.permutes`
+    is None): the equation works them whole.
+
+    Example:
+        >>> from jaxshard.rule import Factor, Rule, Window
+        >>> rule = Rule((Factor("r", 62, window=Window(64, 62, 3)),), (), ())
+        >>> unhaloed(rule, {0: ("x",)}, {"x": 2}), unhaloed(rule, {0: ("x",)}, {"x": 8})
+        (set(), {0})
+    """
+    return {
+        f
+        for f, axes in values.items()
+        if axes
+        and rule.factors[f].window is not None
+        and rule.factors[f].window.permutes(math.prod(axis_sizes[a] for a in axes)) is None
+    }
+
+
+def halo_collectives(
+    rule, values, graph, vids, layouts, axis_sizes
+) -> list[tuple[int, PlannedCollective]]:
+    """The collective-permutes of an equation's halo exchanges (Shardy's permutation
+    factors, GSPMD's windowed ops): for each windowed factor of ``rule`` split over mesh
+    axes in ``values`` (factor -> axes), one per direction whose neighbour rows the
+    shards need (`jaxshard.rule.Window.permutes`), each sending those rows of the read
+    operand's cross-section in its working layout (``layouts``: value -> dims). Returns
+    ``(value, collective)`` pairs; ``vids`` are the equation's operands then results.
+
+    Example:
+        >>> # a 3x3 'SAME' convolution of x[1, 64, 64, 4] with its rows split 8 ways: one
+        >>> # row of 64 x 4 floats from each neighbour, 1 KiB each way
+        >>> halo_collectives(rule, {1: ("x",)}, graph, vids, layouts, {"x": 8})  # doctest: +SKIP
+        [(0, PlannedCollective(kind='collective-permute', axes=('x',), ring_bytes=1024.0)), ...]
+    """
+    out = []
+    grown: dict[int, list[int]] = {}  # per operand: its shard with the halos fetched so far
+    split = []
+    for f, factor in enumerate(rule.factors):
+        axes = tuple(a for a in values.get(f) or () if axis_sizes[a] > 1)
+        if factor.window is not None and axes:
+            t = factor.window.operand
+            dim = next(d for d, fl in enumerate(rule.operands[t]) if f in fl)
+            split.append((t, dim, factor.window, axes))
+    # XLA exchanges one dim's halos after another's, in dim order, each with the halo
+    # rows the earlier ones fetched: the corners travel with the later exchange
+    for t, dim, window, axes in sorted(split, key=lambda s: s[:2]):
+        rows = window.permutes(math.prod(axis_sizes[a] for a in axes))
+        if not rows:
+            continue
+        vid = vids[t]
+        local = grown.setdefault(
+            vid, list(per_device_shape(graph.shapes[vid], layouts[vid], axis_sizes))
+        )
+        section = math.prod(n for d, n in enumerate(local) if d != dim)
+        section *= itemsize(graph.dtypes[vid])
+        out += [(vid, PlannedCollective("collective-permute", axes, float(r * section)))
+                for r in rows]  # fmt: skip
+        if not window.reverse:
+            local[dim] += sum(rows)
+    return out
+
+
+def reshard_cost(
+    shape: Sequence[int],
+    dtype,
+    src: Sequence[DimSharding],
+    dst: Sequence[DimSharding],
+    axis_sizes: Mapping[str, int],
+    partial: frozenset[str] = frozenset(),
+) -> tuple[float, list[str]]:
+    """Per-device bytes and the collectives that turn layout ``src`` into ``dst``.
+
+    Example:
+        >>> import numpy as np
+        >>> sizes = {"data": 2, "model": 4}
+        >>> reshard_cost((8, 16), np.float32, [("data",), ()], [(), ()], sizes)
+        (256.0, ['all-gather over data'])
+        >>> reshard_cost((8, 16), np.float32, [(), ()], [("data",), ()], sizes)
+        (0.0, [])
+        >>> reshard_cost((8, 16), np.float32, [(), ()], [(), ()], sizes, frozenset({"model"}))
+        (768.0, ['all-reduce over model'])
+        >>> reshard_cost((8, 16), np.float32, [(), ("model",)], [(), ("model",)], sizes,
+        ...              frozenset({"model"}))  # each device sends 3 of its 4 quarters
+        (384.0, ['reduce-scatter over model'])
+    """
+    steps = reshard_collectives(shape, dtype, src, dst, axis_sizes, partial)
+    return sum(s.ring_bytes for s in steps) + 0.0, [str(s) for s in steps]
+
+
+def reshard_collectives(
+    shape: Sequence[int],
+    dtype,
+    src: Sequence[DimSharding],
+    dst: Sequence[DimSharding],
+    axis_sizes: Mapping[str, int],
+    partial: frozenset[str] = frozenset(),
+    reduce_scatter: bool = True,
+) -> list[PlannedCollective]:
+    """The collectives of `reshard_cost` one by one: ``(kind, mesh axes, bytes per device)``,
+    so a `CostModel` can price each on its own axes. Without ``reduce_scatter`` (a backend
+    that has none, see `has_reduce_scatter`) a reduce-scatter moves what an all-reduce of
+    its input moves: the backend sums the whole input and each device keeps its slice.
+
+    Example:
+        >>> import numpy as np
+        >>> sizes = {"data": 2, "model": 4}
+        >>> reshard_collectives((8, 16), np.float32, [("data",), ()], [(), ()], sizes,
+        ...                     frozenset({"model"}))
+        [PlannedCollective(kind='all-reduce', axes=('model',), ring_bytes=384.0),
+         PlannedCollective(kind='all-gather', axes=('data',), ring_bytes=256.0)]
+    """
+    # an axis of size 1 moves nothing: XLA emits no collective over it
+    src = [tuple(a for a in d or () if axis_sizes[a] > 1) for d in src]
+    dst = [tuple(a for a in d or () if axis_sizes[a] > 1) for d in dst]
+    steps = [tuple(dst)] if partial else reshard_steps(src, dst)
+    if len(steps) > 1:  # the lowering passes through each (`reshard_steps`)
+        return [
+            c for a, b in zip([tuple(src), *steps], steps)
+            for c in _step_collectives(shape, dtype, a, b, axis_sizes, partial, reduce_scatter)
+        ]  # fmt: skip
+    return _step_collectives(shape, dtype, src, dst, axis_sizes, partial, reduce_scatter)
+
+
+def _step_collectives(shape, dtype, src, dst, axis_sizes, partial, reduce_scatter):
+    """`reshard_collectives` of one step (axes of size 1 already dropped)."""
+    groups = partial_groups(partial)
+    partial = frozenset(a for a in partial if axis_sizes[a] > 1)
+    total = nbytes(shape, dtype)
+    where_src = {a: i for i, d in enumerate(src) for a in d}
+    where_dst = {a: i for i, d in enumerate(dst) for a in d}
+    local_dst = total / shards(dst, axis_sizes)
+    local_src = total / shards(src, axis_sizes)
+    out: list[PlannedCollective] = []
+    scattered = sorted(a for a in partial if a in where_dst)
+    reduced = sorted(a for a in partial if a not in where_dst)
+    for group in groups:  # one all-reduce per reduction factor's axes, as XLA emits them
+        axes = tuple(sorted(a for a in group if a in reduced))
+        if axes:
+            n = math.prod(axis_sizes[a] for a in axes)
+            out.append(
+                PlannedCollective("all-reduce", axes, ring_bytes("all-reduce", n, local_src))
+            )
+    if scattered:  # the input is whole along the scattered axes, whatever ``src`` says
+        n = math.prod(axis_sizes[a] for a in scattered)
+        whole = [tuple(a for a in d if a not in scattered) for d in src]
+        kind = "reduce-scatter" if reduce_scatter else "all-reduce"
+        volume = ring_bytes(kind, n, total / shards(whole, axis_sizes))
+        out.append(PlannedCollective("reduce-scatter", tuple(scattered), volume))
+    moved = sorted(
+        a
+        for a, i in where_src.items()
+        if a in where_dst and (where_dst[a] != i or _order_changed(src[i], dst[where_dst[a]], a))
+    )
+    if moved:
+        n = math.prod(axis_sizes[a] for a in moved)
+        out.append(
+            PlannedCollective("all-to-all", tuple(moved), ring_bytes("all-to-all", n, local_dst))
+        )
+    removed = sorted(a for a in where_src if a not in where_dst)
+    if removed:
+        n = math.prod(axis_sizes[a] for a in removed)
+        out.append(
+            PlannedCollective("all-gather", tuple(removed), ring_bytes("all-gather", n, local_dst))
+        )
+    return out
+
+
+def reshard_steps(src: Sequence[DimSharding], dst: Sequence[DimSharding]) -> list[tuple]:
+    """The layouts a reshard from ``src`` to ``dst`` passes through, ending with ``dst``.
+
+    One step, unless XLA's partitioner has no collective for the whole move and would
+    replicate the array on every device first ("involuntary full rematerialization",
+    measured on JAX 0.10 and 0.12): a dim that gives one axis to another dim and loses
+    another axis altogether or to a third dim, or a dim that takes axes from two
+    others. Such a reshard goes through steps XLA does with one collective each: the
+    gathered axes first, then the moved axes one at a time, then the added ones.
+
+    Example:
+        >>> reshard_steps([(), ("data", "model")], [("data",), ()])
+        [((), ('data',)), (('data',), ())]
+        >>> reshard_steps([(), ("data",)], [("data",), ()])
+        [(('data',), ())]
+    """
+    src = [tuple(d or ()) for d in src]
+    dst = [tuple(d or ()) for d in dst]
+    where_dst = {a: j for j, d in enumerate(dst) for a in d}
+    removed = {a for d in src for a in d if a not in where_dst}
+    out_of: dict[int, set[int]] = {}  # per source dim: the dims its moved axes go to
+    into: dict[int, set[int]] = {}  # per destination dim: the dims its moved axes leave
+    for i, d in enumerate(src):
+        for a in d:
+            j = where_dst.get(a, i)
+            if j != i:
+                out_of.setdefault(i, set()).add(j)
+                into.setdefault(j, set()).add(i)
+    awkward = any(
+        len(js) > 1 or any(a in removed for a in src[i]) for i, js in out_of.items()
+    ) or any(len(i) > 1 for i in into.values())
+    if not awkward:
+        return [tuple(dst)]
+    cur = [tuple(a for a in d if a not in removed) for d in src]
+    steps = [tuple(cur)]
+    for j, d in enumerate(dst):
+        for a in d:
+            i = next((k for k, held in enumerate(cur) if a in held), None)
+            if i is None or i == j:
+                continue
+            cur = [tuple(x for x in held if x != a) for held in cur]
+            cur[j] = tuple(x for x in dst[j] if x == a or x in cur[j]) + tuple(
+                x for x in cur[j] if x not in dst[j]
+            )
+            steps.append(tuple(cur))
+    steps.append(tuple(dst))
+    return [b for a, b in zip([tuple(src), *steps], steps) if a != b]
+
+
+def has_reduce_scatter(mesh) -> bool:
+    """Whether the devices of ``mesh`` run reduce-scatters as such. XLA's CPU backend does
+    not: its partitioner leaves an all-reduce of the whole input (measured on every
+    compiled program of the benchmarks), so a reduce-scatter there costs an all-reduce.
+    A mesh without devices (abstract) is taken to be an accelerator's.
+
+    Example:
+        >>> import jax
+        >>> has_reduce_scatter(jax.make_mesh((1,), ("data",)))  # on a CPU
+        False
+    """
+    return _platform(mesh) != "cpu"
+
+
+def combines_all_reduces(mesh) -> bool:
+    """Whether XLA combines every independent all-reduce over the same devices in a
+    computation into one, whatever their size, on the devices of ``mesh``: its CPU
+    backend does (no byte threshold, at most 256 operands), so a partial sum waits for
+    the last reduction of its group; accelerators combine only small ones.
+
+    Example:
+        >>> import jax
+        >>> combines_all_reduces(jax.make_mesh((1,), ("data",)))  # on a CPU
+        True
+    """
+    return _platform(mesh) == "cpu"
+
+
+def _platform(mesh) -> str | None:
+    """The platform of ``mesh``'s devices; None for an abstract mesh (planned for an
+    accelerator)."""
+    if isinstance(mesh, AbstractMesh):
+        return None
+    devices = getattr(mesh, "devices", None)
+    return getattr(getattr(devices, "flat", [None])[0], "platform", None)
+
+
+def _order_changed(src_axes: tuple[str, ...], dst_axes: tuple[str, ...], axis: str) -> bool:
+    before_src = src_axes[: src_axes.index(axis)]
+    before_dst = dst_axes[: dst_axes.index(axis)]
+    return before_src != before_dst

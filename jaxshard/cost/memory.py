@@ -1,0 +1,343 @@
+"""Memory per device: the buffers XLA's fusion never makes (`fused_liveness`), the
+plan's estimate (`memory_estimate`: arguments, results and the largest live set of
+intermediates) and its curve over the schedule (`MemoryCurve`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxshard.cost.schedule import Liveness, liveness, xla_scope
+from jaxshard.cost.sizes import per_device_bytes, per_device_shape
+from jaxshard.graph import AppKind, contracts, elementwise_reach
+from jaxshard.lattice import DimSharding, slices_locally
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device bytes of a plan: arguments, results, and the largest live set of
+    intermediates (at application ``peak_app``).
+
+    Example:
+        >>> MemoryEstimate(100, 100, 50, 3).total
+        250
+    """
+
+    arguments: int
+    results: int
+    activations: int
+    peak_app: int
+
+    @property
+    def total(self) -> int:
+        """Arguments + results + peak activations (no buffer donated)."""
+        return self.arguments + self.results + self.activations
+
+
+# elementwise primitives XLA counts as expensive (`HloInstruction::IsExpensive`): its
+# fusion does not duplicate them into several readers
+EXPENSIVE = frozenset(
+    {"exp", "exp2", "log", "log1p", "expm1", "div", "pow", "sqrt", "rsqrt", "cbrt", "tanh",
+     "logistic", "erf", "erf_inv", "erfc", "atan2", "sin", "cos", "tan", "asin", "acos",
+     "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "lgamma", "digamma", "rem"}
+)  # fmt: skip
+
+
+def fused_liveness(graph, live: Liveness, extend: bool = True) -> Liveness:
+    """``live`` less the buffers XLA's fusion never makes: a value an elementwise
+    equation computes and only elementwise equations read is recomputed inside its
+    readers' fusions, not stored (the backward pass reads such residuals of the
+    forward's elementwise chains, say a layer norm's centred input, from their
+    operands), unless an `EXPENSIVE` equation makes it for several readers (silu's
+    sigmoid, read by the forward's product and the backward's derivative). With
+    ``extend`` those operands stay alive until the fused value's last reader, as the
+    recomputation needs them.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.cost import liveness
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> g = build_graph(trace(lambda x: jnp.sum(jnp.sin(jnp.cos(x)) * 2), (jnp.ones(4),), {}), {})
+        >>> len(liveness(g).intermediates), len(fused_liveness(g, liveness(g)).intermediates)
+        (3, 1)
+    """
+    owner = live.owner
+    producer: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    for a, app in enumerate(graph.apps):
+        if app.kind is not AppKind.EQN:
+            continue
+        for v in app.results:
+            producer.setdefault(owner[v], a)
+        for v in app.operands:
+            readers.setdefault(owner[v], []).append(a)
+    elementwise: dict[int, bool] = {}
+
+    def is_elementwise(a: int) -> bool:
+        hit = elementwise.get(a)
+        if hit is None:
+            app = graph.apps[a]
+            shape = graph.shapes[app.results[0]] if app.results else None
+            hit = elementwise[a] = (
+                app.kind is AppKind.EQN
+                and all(f.plain for f in app.rule.factors)
+                and all(graph.shapes[u] in (shape, ()) for u in app.operands)
+            )
+        return hit
+
+    scopes: dict[int, tuple] = {}
+
+    def scope(a: int) -> tuple:
+        hit = scopes.get(a)
+        if hit is None:
+            hit = scopes[a] = xla_scope(graph.apps[a].where)
+        return hit
+
+    # a value read inside a loop it is not made in is the loop's operand: XLA fuses only
+    # within one computation, so it is stored (a mask broadcast JAX hoisted out of a scan)
+    def fusible(a: int) -> bool:  # XLA fuses a broadcast into its readers too
+        return is_elementwise(a) or graph.apps[a].eqn.primitive.name == "broadcast_in_dim"
+
+    # XLA's fusion duplicates a producer into each of several readers only when it is
+    # cheap: an expensive one (an exponential, a division) read twice is stored
+    def duplicable(v: int) -> bool:
+        eqn = graph.apps[producer[v]].eqn
+        return len(set(readers.get(v, ()))) < 2 or eqn.primitive.name not in EXPENSIVE
+
+    fused = [
+        int(v) for v in live.intermediates
+        if int(v) in producer and fusible(producer[int(v)])
+        and all(is_elementwise(r) and scope(r) == scope(producer[int(v)])
+                for r in readers.get(int(v), ()))
+        and duplicable(int(v))
+    ]  # fmt: skip
+    end = live.end.copy()
+    if extend:  # later fused values first: their operands may be fused values too
+        for v in sorted(fused, key=lambda v: -producer[v]):
+            for u in graph.apps[producer[v]].operands:
+                o = owner[u]
+                if end[o] >= 0 and end[v] > end[o]:
+                    end[o] = end[v]
+    kept = np.setdiff1d(live.intermediates, np.array(fused, dtype=np.int64))
+    # an elementwise result written over an operand of its shape that dies there (XLA
+    # computes a fusion in place when its operand's buffer is free): the operand's buffer
+    # ends as the result's begins. XLA drops a contraction's unit dims from its output,
+    # and reads it through a bitcast that it does not overwrite: those wait for a layout
+    # (`memory_estimate`)
+    at = live.schedule.at if live.schedule is not None else np.arange(len(graph.apps))
+    stored = set(kept.tolist())
+    fused_set = set(fused)
+    squeezable: dict[int, int] = {}
+
+    def inputs(a: int) -> Iterator[int]:  # the stored buffers a fusion rooted at ``a`` reads
+        todo, seen = [a], {a}
+        while todo:
+            for u in graph.apps[todo.pop()].operands:
+                o = owner[u]
+                if o not in fused_set:
+                    yield o
+                elif producer[o] not in seen:
+                    seen.add(producer[o])
+                    todo.append(producer[o])
+
+    for v in stored:
+        a = producer.get(v)
+        if a is None or not is_elementwise(a):
+            continue
+        for o in inputs(a):
+            if (
+                o in stored and o != v and end[o] == at[a] and live.start[o] < at[a]
+                and graph.shapes[o] == graph.shapes[v] and graph.dtypes[o] == graph.dtypes[v]
+                and o in producer and scope(producer[o]) == scope(a)  # not a loop's operand
+            ):  # fmt: skip
+                end[o] = at[a] - 1
+                if o in producer and contracts(graph.apps[producer[o]]):
+                    squeezable[o] = int(at[a])
+                break
+    return Liveness(owner, live.start, end, kept, live.stacked, live.schedule, squeezable)
+
+
+def memory_estimate(
+    graph,
+    dims: Sequence[Sequence[DimSharding]],
+    axis_sizes: Mapping[str, int],
+    out_dims: Sequence[Sequence[DimSharding]] | None = None,
+    live: Liveness | None = None,
+    extra: Iterable[tuple[int, int, float]] = (),
+) -> MemoryEstimate:
+    """Per-device memory of a layout of every value of ``graph``; ``extra`` adds buffers
+    no value holds, as ``(first, last, bytes)``: alive from application ``first`` to
+    ``last`` (the gathered copy of a parameter stored apart).
+
+    The approximation: a linear scan over the equations in program order, each
+    intermediate alive from the equation that makes it to its last reader, every one a
+    buffer of its own. XLA fuses elementwise chains (fewer, shorter-lived buffers) and
+    may reorder, so this over-counts activations of unfused code; arguments and results
+    (kept apart, as without donation) are exact.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> g = build_graph(trace(lambda x: jnp.sin(x) * 2, (jnp.ones((8, 4)),), {}), {})
+        >>> memory_estimate(g, [[("data",), ()]] * len(g.shapes), {"data": 2})
+        MemoryEstimate(arguments=64, results=64, activations=64, peak_app=0)
+    """
+    live = live or liveness(graph)
+    out_dims = out_dims if out_dims is not None else [dims[v] for v in graph.out_vids]
+    args = sum(
+        per_device_bytes(graph.shapes[v], graph.dtypes[v], dims[v], axis_sizes)
+        for v in set(graph.in_vids)
+    )
+    seen: set[int] = set()
+    results = 0
+    for v, d in zip(graph.out_vids, out_dims):
+        if v not in seen:
+            seen.add(v)
+            results += per_device_bytes(graph.shapes[v], graph.dtypes[v], d, axis_sizes)
+    n_apps = len(graph.apps)
+    extra = [(first, last, b) for first, last, b in extra if b]
+    if not (len(live.intermediates) or extra) or not n_apps:
+        return MemoryEstimate(args, results, 0, -1)
+    sizes = np.array(
+        [buffer_bytes(graph, v, dims, axis_sizes, live) for v in live.intermediates],
+        dtype=np.int64,
+    )
+    # a loop's stacked result that an elementwise update turns into a step result of the
+    # same per-device size (a scanned gradient and its parameter's new value) is filled
+    # in that result's buffer: XLA shares an output's buffer with what computes it
+    for i, v in enumerate(live.intermediates):
+        if (
+            int(v) in live.stacked
+            and sizes[i]
+            and _fills_a_result(graph, int(v), int(sizes[i]), dims, out_dims, axis_sizes)
+        ):
+            sizes[i] = 0
+    end = live.end
+    for v, t in live.squeezable.items():
+        if 1 in per_device_shape(graph.shapes[v], dims[v], axis_sizes):
+            end = end.copy() if end is live.end else end
+            end[v] = t
+    delta = np.zeros(n_apps + 1, dtype=np.int64)
+    np.add.at(delta, live.start[live.intermediates], sizes)
+    np.add.at(delta, end[live.intermediates] + 1, -sizes)
+    for first, last, b in extra:
+        delta[first] += int(b)
+        delta[last + 1] -= int(b)
+    curve = np.cumsum(delta)[:n_apps]
+    peak = int(np.argmax(curve))
+    return MemoryEstimate(args, results, int(curve[peak]), peak)
+
+
+def _fills_a_result(graph, v: int, size: int, dims, out_dims, axis_sizes) -> bool:
+    """Whether a result of per-device ``size`` bytes is computed from value ``v`` by
+    equations that keep its shape and treat each element alone."""
+    shape = graph.shapes[v]
+    results = {
+        r: per_device_bytes(graph.shapes[r], graph.dtypes[r], d, axis_sizes)
+        for r, d in zip(graph.out_vids, out_dims)
+        if graph.shapes[r] == shape
+    }
+    if size not in results.values():
+        return False
+    return any(results.get(u) == size for u in elementwise_reach(graph, v, links=False))
+
+
+def buffer_bytes(graph, v: int, dims, axis_sizes: Mapping[str, int], live: Liveness) -> int:
+    """Per-device bytes of intermediate ``v``'s buffer: its layout's share, or for a loop's
+    stacked input or result whose per-iteration value is laid out otherwise, the larger of
+    that and the stack in the per-iteration layout (XLA fills a scan's stacked gradient in
+    the layout each iteration computes it in, and moves it to its own after the loop).
+
+    Example:
+        >>> buffer_bytes(graph, v, plan.dims, plan.axis_sizes, live)  # doctest: +SKIP
+        4294967296
+    """
+    own = per_device_bytes(graph.shapes[v], graph.dtypes[v], dims[v], axis_sizes)
+    inner = live.stacked.get(v)
+    if inner is None or dims[inner] is None:
+        return own
+    if slices_locally(dims[v][1:], dims[inner]):
+        return own  # the stack's layout slices the iteration's: each slice is cut locally
+    layers = graph.shapes[v][0]
+    each = per_device_bytes(graph.shapes[inner], graph.dtypes[inner], dims[inner], axis_sizes)
+    return max(own, layers * each)
+
+
+class MemoryCurve:
+    """`memory_estimate` of one layout, kept so that the estimate of a few values laid
+    out otherwise costs only those values: for pricing one decision after another.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> g = build_graph(trace(lambda x: jnp.sin(x) * 2, (jnp.ones((8, 4)),), {}), {})
+        >>> curve = MemoryCurve(g, [[(), ()]] * len(g.shapes), {"data": 2})
+        >>> curve.total, curve.total_with({v: [("data",), ()] for v in range(len(g.shapes))})
+        (384, 192)
+    """
+
+    def __init__(
+        self,
+        graph,
+        dims: Sequence[Sequence[DimSharding]],
+        axis_sizes: Mapping[str, int],
+        sources: Sequence[int] | None = None,
+        live: Liveness | None = None,
+    ):
+        self.graph, self.axis_sizes = graph, axis_sizes
+        self.live = live or liveness(graph)
+        # each distinct result, by the value whose layout it takes (an argument for a tie)
+        sources = list(sources if sources is not None else graph.out_vids)
+        seen: set[int] = set()
+        self.results: list[int] = []
+        self.results_sources = sources
+        for v, src in zip(graph.out_vids, sources):
+            if v not in seen:
+                seen.add(v)
+                self.results.append(src)
+        self.args = sorted(set(graph.in_vids))
+        self.position = {int(v): i for i, v in enumerate(self.live.intermediates)}
+        self.sizes = np.array(
+            [self._bytes(v, dims[v]) for v in self.live.intermediates], dtype=np.int64
+        )
+        self.dims = dims
+        self.total = self.total_with({})
+
+    def _bytes(self, v: int, dims) -> int:
+        return per_device_bytes(self.graph.shapes[v], self.graph.dtypes[v], dims, self.axis_sizes)
+
+    def update(self, changed: Mapping[int, Sequence[DimSharding]]) -> None:
+        """Take the layouts in ``changed`` for good (``dims``, given at construction, must
+        already hold them)."""
+        for v in changed:
+            i = self.position.get(v)
+            if i is not None:
+                self.sizes[i] = self._bytes(v, self.dims[v])
+        self.total = self.total_with({})
+
+    def total_with(self, changed: Mapping[int, Sequence[DimSharding]]) -> int:
+        """Arguments + results + peak activations with the values in ``changed`` laid out
+        as given there and every other value as at construction."""
+        layout = lambda v: changed.get(v, self.dims[v])  # noqa: E731
+        args = sum(self._bytes(v, layout(v)) for v in self.args)
+        results = sum(self._bytes(v, layout(v)) for v in self.results)
+        live = self.live
+        if not len(live.intermediates) or not self.graph.apps:
+            return args + results
+        sizes = self.sizes
+        moved = [(self.position[v], v) for v in changed if v in self.position]
+        if moved:
+            sizes = sizes.copy()
+            for i, v in moved:
+                sizes[i] = self._bytes(v, changed[v])
+        n_apps = len(self.graph.apps)
+        delta = np.zeros(n_apps + 1, dtype=np.int64)
+        np.add.at(delta, live.start[live.intermediates], sizes)
+        np.add.at(delta, live.end[live.intermediates] + 1, -sizes)
+        return args + results + int(np.cumsum(delta)[:n_apps].max())

@@ -1,0 +1,423 @@
+"""The order XLA runs a program in and what is alive when: a schedule of the
+equations (`schedule`), the data flow, each value's live range (`liveness`), and what
+XLA never allocates (bitcasts, common subexpressions it merges, calls it inlines).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+from jax.extend.core import Literal
+
+from jaxshard.cost.sizes import per_device_bytes
+from jaxshard.graph import AppKind, find_root
+from jaxshard.lattice import DimSharding
+from jaxshard.rule import FactorKind
+
+
+class Schedule(NamedTuple):
+    """When XLA runs each application: ``at[a]`` is a time in application units.
+
+    XLA's scheduler keeps the program's loops in order but moves the work between them
+    as early as its operands allow: anything outside the loops that does not read a
+    loop's result runs before that loop (a parameter's gather for the logits, the zeros
+    of the embedding gradient's scatter-add, the one-hot of the labels), so its buffer
+    is alive across the loop. ``seg[v]`` is how many of the top-level loops value ``v``
+    waits for; ``loop_starts[k]`` the first application of the ``k``-th top-level loop;
+    ``top[a]`` whether application ``a`` is outside every loop.
+    """
+
+    at: np.ndarray
+    seg: np.ndarray
+    loop_starts: tuple[int, ...]
+    top: np.ndarray
+
+    def hoisted(self, a: int, v: int) -> int:
+        """The time XLA computes what application ``a`` needs from value ``v`` alone (a
+        parameter's gathered copy): before the first loop ``v`` does not wait for, when
+        ``a`` runs after it outside the loops.
+
+        Example:
+            >>> s = Schedule(np.arange(9), np.zeros(3, int), (4,), np.ones(9, bool))
+            >>> s.hoisted(7, 0), s.hoisted(2, 0)
+            (3, 2)
+        """
+        k = int(self.seg[v])
+        if self.top[a] and k < len(self.loop_starts) and self.loop_starts[k] <= a:
+            return min(int(self.at[a]), max(0, self.loop_starts[k] - 1))
+        return int(self.at[a])
+
+
+def schedule(graph, ready: Mapping[int, int] | None = None) -> Schedule:
+    """Each application's time in XLA's schedule of ``graph``: program order, except
+    that work outside the loops that reads no result of a loop before it moves to just
+    before the first such loop (`Schedule`). Measured on XLA's CPU schedules of scanned
+    models: every top-level instruction not reading a loop's result is scheduled before
+    that loop. ``ready`` maps values to the earliest time their readers may run (a
+    gradient whose all-reduce XLA combines with a later one's).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> def f(w, xs):
+        ...     c, _ = jax.lax.scan(lambda c, x: (c * x, None), jnp.sin(w), xs)
+        ...     return c + jnp.cos(w)   # cos(w) reads no loop result: before the scan
+        >>> g = build_graph(trace(f, (jnp.ones(4), jnp.ones((3, 4))), {}), {})
+        >>> s = schedule(g)
+        >>> [(a.describe().split()[0], int(t)) for a, t in zip(g.apps, s.at) if a.kind is AppKind.EQN]
+        [('sin', 0), ('mul', 1), ('cos', 0), ('add', 5)]
+    """
+    from jax.extend.core import primitives
+
+    loop_prims = (primitives.scan_p, primitives.while_p)
+    memo: dict[int, int | None] = {}
+
+    def outer_loop(where) -> int | None:
+        if where is None:
+            return None
+        found = memo.get(id(where), -1)
+        if found == -1:
+            eqn, outer = where
+            found = outer_loop(outer)
+            if found is None and eqn.primitive in loop_prims:
+                found = id(eqn)
+            memo[id(where)] = found
+        return found
+
+    n_apps = len(graph.apps)
+    loop_of: list[int | None] = []
+    for app in graph.apps:
+        key = outer_loop(app.where)
+        if key is None and app.kind is AppKind.LINK and app.eqn is not None:
+            key = id(app.eqn) if app.eqn.primitive in loop_prims else None
+        loop_of.append(key)
+    first: dict[int, int] = {}
+    for a, key in enumerate(loop_of):
+        if key is not None:
+            first.setdefault(key, a)
+    order = {key: k for k, key in enumerate(first)}  # loops in program order
+    loop_starts = tuple(first.values())
+    top = np.array([key is None for key in loop_of], dtype=bool)
+    edges = flow(graph)
+    seg = np.zeros(len(graph.shapes), dtype=np.int64)
+    for v, t in (ready or {}).items():  # as late as the loops that end before it
+        seg[v] = np.searchsorted(np.array(loop_starts), t, side="right")
+    changed = True
+    while changed:  # a call's links come after its body: repeat until nothing moves
+        changed = False
+        for a, sources, sinks in edges:
+            key = loop_of[a]
+            if key is not None:  # inside a loop: its values, and its results, wait for it
+                k = order[key] + 1
+            else:
+                k = max((int(seg[v]) for v in sources), default=0)
+            for v in sinks:
+                if seg[v] < k:
+                    seg[v] = k
+                    changed = True
+    at = np.arange(n_apps, dtype=np.int64)
+    if loop_starts:
+        before = np.searchsorted(np.array(loop_starts), np.arange(n_apps), side="right")
+        for a, sources, _ in edges:
+            if top[a]:
+                k = max((int(seg[v]) for v in sources), default=0)
+                if k < before[a]:
+                    at[a] = max(0, loop_starts[k] - 1)
+    for a, sources, _ in edges if ready else ():
+        if top[a]:
+            at[a] = max([int(at[a]), *(ready[v] for v in sources if v in ready)])
+    return Schedule(at, seg, loop_starts, top)
+
+
+def flow(graph) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """Each application as ``(index, sources, sinks)`` in the direction values flow: an
+    equation from its operands to its results, a link into a call from the outer value to
+    the inner one, a call's result link from the inner value out; ties left out.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> flow(build_graph(trace(jnp.sin, (jnp.ones(4),), {}), {}))
+        [(0, (0,), (1,))]
+    """
+    out_links = graph.out_links
+    return [
+        (a, app.results, app.operands) if a in out_links else (a, app.operands, app.results)
+        for a, app in enumerate(graph.apps) if app.kind is not AppKind.TIE
+    ]  # fmt: skip
+
+
+def reads_of(graph, own: Mapping[int, int]) -> list[int]:
+    """Per value, the union of the bit sets ``own`` gives the values it is computed from
+    (transitively, through calls and loops; not its own bits).
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> g = build_graph(trace(lambda x: jnp.cos(jnp.sin(x)), (jnp.ones(4),), {}), {})
+        >>> reads_of(g, {0: 1, 1: 2})
+        [0, 1, 3]
+    """
+    reads = [0] * len(graph.shapes)
+    edges = flow(graph)
+    changed = True
+    while changed:  # a call's links come after its body: repeat until nothing moves
+        changed = False
+        for _, sources, sinks in edges:
+            bits = 0
+            for v in sources:
+                bits |= reads[v] | own.get(v, 0)
+            if bits:
+                for v in sinks:
+                    if reads[v] | bits != reads[v]:
+                        reads[v] |= bits
+                        changed = True
+    return reads
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """When each buffer of a graph is alive, in application (equation) order.
+
+    ``owner[v]`` is the buffer value ``v`` lives in (identity links of nested jaxprs
+    alias their outer value); ``start``/``end`` are the first and last times (`Schedule`)
+    of each owner (``-1``: not an intermediate — an argument, a result or a
+    constant). ``intermediates`` lists the owners counted as activations.
+    """
+
+    owner: list[int]
+    start: np.ndarray
+    end: np.ndarray
+    intermediates: np.ndarray
+    # a loop's stacked input or result (owner) -> the per-iteration value its link slices
+    # it into: while the loop runs, XLA holds the stack in that value's layout
+    stacked: Mapping[int, int] = field(default_factory=dict)
+    schedule: Schedule | None = None
+    # a contraction's result written over in place by its reader (its buffer ends before
+    # that time) -> the time it ends if the contraction's layout has a unit dim
+    squeezable: Mapping[int, int] = field(default_factory=dict)
+
+
+def liveness(
+    graph,
+    skip: Iterable[int] = (),
+    ready: Mapping[int, int] | None = None,
+    bitcasts: Iterable[int] = (),
+) -> Liveness:
+    """Lifetimes of a graph's buffers: produced by their first equation, freed after their
+    last use, in the times of XLA's `schedule` (``ready`` as there); arguments and
+    results live for the whole call and are not intermediates. Applications in ``skip``
+    (dead code) neither produce nor use anything; those in ``bitcasts`` (`bitcasts`: a
+    layout's reshapes that keep each device's data as it is) make no buffer of their own.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> g = build_graph(trace(lambda x: jnp.sin(jnp.cos(x)) * 2, (jnp.ones(4),), {}), {})
+        >>> live = liveness(g)
+        >>> [(int(live.start[v]), int(live.end[v])) for v in live.intermediates]
+        [(0, 1), (1, 2)]
+    """
+    n = len(graph.shapes)
+    parent = list(range(n))
+    skip = set(skip)
+    for app in graph.apps:
+        if app.kind is AppKind.LINK and len(app.operands) == 1 and len(app.results) == 1:
+            o, r = app.operands[0], app.results[0]
+            if graph.shapes[o] == graph.shapes[r] and _is_identity(app.rule):
+                ro, rr = find_root(parent, o), find_root(parent, r)
+                if ro != rr:
+                    parent[rr] = ro
+    # a transpose is the only reader of what an equation made: XLA's layout assignment
+    # has the maker write in the transposed order, and the transpose is a bitcast
+    readers = np.zeros(n, dtype=np.int64)
+    for app in graph.apps:
+        for v in app.operands:
+            readers[v] += 1
+    made = graph.producers()
+    for a, app in enumerate(graph.apps):
+        if (
+            app.eqn is not None
+            and app.kind is AppKind.EQN
+            and app.eqn.primitive.name == "transpose"
+        ):
+            (o,), (r,) = app.operands, app.results
+            if readers[o] == 1 and o in made and a not in skip:
+                ro, rr = find_root(parent, o), find_root(parent, r)
+                if ro != rr:  # the maker's layout sizes the buffer (a partial sum's)
+                    parent[rr] = ro
+    # a bitcast reads its operand's buffer in the new shape (a layer stack reshaped into
+    # pipeline stages): one buffer
+    for a in bitcasts:
+        (o, *_), (r,) = graph.apps[a].operands, graph.apps[a].results
+        ro, rr = find_root(parent, o), find_root(parent, r)
+        if ro != rr and a not in skip:
+            parent[rr] = ro
+    owner = _common_subexpressions(graph, [find_root(parent, v) for v in range(n)], skip)
+    big = len(graph.apps) + 1
+    start = np.full(n, big, dtype=np.int64)
+    end = np.full(n, -1, dtype=np.int64)
+    stacked: dict[int, int] = {}
+    link_body = getattr(graph, "link_body", {})
+    sched = schedule(graph, ready)
+    at = sched.at
+    for a, app in enumerate(graph.apps):
+        if a in skip or app.kind is AppKind.TIE:
+            continue
+        t = int(at[a])
+        if app.kind is AppKind.LINK:
+            for v, r in zip(app.operands, app.results):
+                if len(graph.shapes[v]) == len(graph.shapes[r]) + 1:
+                    stacked[owner[v]] = r
+            # a link's operand is the outer value of a loop or call, linked after the body:
+            # a stacked result (the residuals a scan saves for the backward pass, a
+            # scanned gradient) is allocated when the loop starts and filled as it runs,
+            # and a stacked input the loop reads is alive until it ends
+            first = int(at[link_body.get(a, a)])
+            for v in app.operands:
+                o = owner[v]
+                if start[o] == big:
+                    start[o] = min(first, t)
+                if t > end[o]:
+                    end[o] = t
+            continue
+        for v in app.results:
+            o = owner[v]
+            if t < start[o]:
+                start[o] = t
+        for v in app.operands:
+            o = owner[v]
+            if t > end[o]:
+                end[o] = t
+    boundary = {owner[v] for v in (*graph.in_vids, *graph.out_vids)}
+    produced = start < big
+    for o in boundary:
+        produced[o] = False
+    roots = np.array([owner[v] == v for v in range(n)], dtype=bool)
+    keep = produced & roots
+    end = np.maximum(end, start)  # a result nothing reads lives at its own equation
+    start = np.where(keep, start, -1)
+    end = np.where(keep, end, -1)
+    return Liveness(owner, start, end, np.flatnonzero(keep), stacked, sched)
+
+
+def bitcasts(graph, dims: Sequence[Sequence[DimSharding]], axis_sizes, moved: set[int]) -> set[int]:
+    """The equations XLA runs as bitcasts under a layout: read from the rule, one array
+    regrouped into other dims with its elements in the same order (a reshape, a squeeze:
+    one operand and one result of other shapes holding the same factors in the same
+    order, nothing summed, one dtype), that hold the same bytes on each device and move
+    nothing (``moved``: applications that reshard an operand or result). Each device's
+    shard is then the regrouped shard of its operand (a stack of 32 layers split 8 ways
+    is 8 stacks of 4 layers, each device's 4 layers where they were).
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> g = build_graph(trace(lambda x: x.reshape(2, 4) * 2, (jnp.ones(8),), {}), {})
+        >>> rows = [[("data",)] + [()] * (len(s) - 1) for s in g.shapes]
+        >>> bitcasts(g, rows, {"data": 2}, set())
+        {0}
+    """
+    out = set()
+    for a, app in enumerate(graph.apps):
+        rule = app.rule
+        if (
+            app.kind is not AppKind.EQN
+            or a in moved
+            or len(rule.operands) != 1
+            or len(rule.results) != 1
+            or any(f.kind is FactorKind.REDUCTION or f.window is not None for f in rule.factors)
+        ):
+            continue
+        (o,), (r,) = app.operands, app.results
+        if (
+            graph.shapes[o] != graph.shapes[r]
+            and graph.dtypes[o] == graph.dtypes[r]
+            and [f for d in rule.operands[0] for f in d] == [f for d in rule.results[0] for f in d]
+            and per_device_bytes(graph.shapes[o], graph.dtypes[o], dims[o], axis_sizes)
+            == per_device_bytes(graph.shapes[r], graph.dtypes[r], dims[r], axis_sizes)
+        ):
+            out.add(a)
+    return out
+
+
+# calls XLA inlines before its common-subexpression pass; every other enclosing equation
+# (a loop, a branch, a rematerialized region behind its optimization barrier, a manual
+# shard_map body) keeps the values inside apart from equal ones outside
+_INLINED_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
+                            "custom_vjp_call", "custom_vjp_call_jaxpr"})  # fmt: skip
+
+
+def _common_subexpressions(graph, owner: list[int], skip: set[int]) -> list[int]:
+    """``owner`` with the results of an equation that repeats an earlier one (the same
+    primitive and parameters on the same buffers and literals, in the same loop body)
+    owned by the earlier one's: XLA's common-subexpression elimination computes them
+    once, into one buffer; a conversion to its operand's own type is its operand.
+    ``jnp.var`` recomputes the mean and the centred input that a layer norm computes
+    beside it: counted twice, they made a GPT's estimate 5% high."""
+    seen: dict[tuple, tuple[int, ...]] = {}
+    for a, app in enumerate(graph.apps):
+        eqn = app.eqn
+        if app.kind is not AppKind.EQN or eqn is None or a in skip or eqn.effects:
+            continue
+        inputs = tuple(
+            _literal_key(var) if isinstance(var, Literal) else owner[v]
+            for var, v in zip(eqn.invars, app.operands)
+        )  # fmt: skip
+        try:
+            key = (eqn.primitive, tuple(sorted(eqn.params.items())), inputs, xla_scope(app.where))
+            first = seen.setdefault(key, app.results)
+        except (TypeError, ValueError):  # parameters that cannot be compared (arrays)
+            continue
+        if first is not app.results:
+            for r, f in zip(app.results, first, strict=True):
+                owner[r] = owner[f]
+        elif eqn.primitive.name == "convert_element_type" and _same_type(eqn):
+            owner[app.results[0]] = inputs[0]  # XLA's simplifier removes it
+    return owner
+
+
+def _literal_key(var) -> tuple:
+    """A literal operand by its value and type (a NaN equals nothing: never merged)."""
+    val = var.val
+    if not isinstance(val, (bool, int, float, complex, np.generic)):
+        val = (np.asarray(val).tobytes(), np.shape(val))
+    return ("literal", val, var.aval.dtype, var.aval.weak_type)
+
+
+def _same_type(eqn) -> bool:
+    """A conversion to the type its operand has (``jnp.var`` casts to the computation
+    dtype its input already has)."""
+    (var,) = eqn.invars
+    return not isinstance(var, Literal) and var.aval.dtype == eqn.outvars[0].aval.dtype
+
+
+def xla_scope(where) -> tuple[int, ...]:
+    """The enclosing equations of an application (its `App.where`) that XLA does not
+    inline, by identity: applications with equal scopes end up in one XLA computation,
+    where its common-subexpression pass merges equal instructions.
+
+    Example:
+        >>> xla_scope(None)
+        ()
+    """
+    scope = []
+    while where is not None:
+        eqn, where = where
+        if eqn.primitive.name not in _INLINED_CALLS:
+            scope.append(id(eqn))
+    return tuple(scope)
+
+
+def _is_identity(rule) -> bool:
+    return all(r == o for r, o in zip(rule.results[0], rule.operands[0])) and all(
+        len(d) == 1 for d in rule.operands[0]
+    )
