@@ -1,0 +1,325 @@
+"""The worklist: pins, rounds of visits that write every factor's merged sharding into
+the dims still open, and undoable trials (`Propagator.trying`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from functools import lru_cache
+
+from jaxshard.annotate import Pin
+from jaxshard.cost import (
+    CostModel,
+)
+from jaxshard.errors import JaxshardBug
+from jaxshard.graph import AppKind, Graph
+from jaxshard.lattice import DimSharding, join_axes, split_axes
+from jaxshard.propagate.conflicts import ConflictPolicy
+from jaxshard.propagate.projection import Projection
+from jaxshard.propagate.vocabulary import (
+    DEFAULT_RANK,
+    HINT_RANK,
+    Origin,
+    OriginKind,
+    Proposal,
+    State,
+    _compile,
+)
+
+
+class Propagator(Projection, ConflictPolicy):
+    """Runs propagation over a Graph; see the module doc.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> from jaxshard.annotate import Pin
+        >>> t = trace(lambda x, w: x @ w, (jnp.ones((8, 4)), jnp.ones((4, 16))), {})
+        >>> g = build_graph(t, {"data": 2, "model": 4})
+        >>> prop = Propagator(g, {"data": 2, "model": 4})
+        >>> prop.pin(g.in_vids[0], Pin((("data",), None), "hint"))
+        >>> prop.pin(g.in_vids[1], Pin((None, ("model",)), "hint"))
+        >>> prop.run()
+        >>> prop.state.dims[g.out_vids[0]]
+        [('data',), ('model',)]
+    """
+
+    def __init__(
+        self, graph: Graph, axis_sizes: Mapping[str, int], cost_model: CostModel | None = None
+    ):
+        self.graph = graph
+        self.axis_sizes = dict(axis_sizes)
+        self.cost_model = cost_model
+        dims = [[() if s == 1 else None for s in shape] for shape in graph.shapes]
+        origins: list[list[Origin | None]] = [
+            [Origin(OriginKind.DEFAULT, "size-1 dim") if s == 1 else None for s in shape]
+            for shape in graph.shapes
+        ]
+        self.state = State(dims, origins)
+        self.uses = graph.uses()
+        compiled: dict[int, tuple] = {}  # per Rule object: repeated layers share one
+        self._struct = [
+            compiled.get(id(app.rule)) or compiled.setdefault(id(app.rule), _compile(app.rule))
+            for app in graph.apps
+        ]
+        self._vids = [(*app.operands, *app.results) for app in graph.apps]
+        # proposals into a value a loop passes in from a hinted argument, made inside the
+        # loop: applied once nothing else moves (`run`)
+        self._deferred: dict[tuple[int, int], list[Proposal]] = {}
+        total_dims = sum(len(s) for s in graph.shapes)  # visits a fixed point can need
+        self._bound = len(graph.apps) + sum(len(u) for u in self.uses) * 2 + total_dims + 16
+        self.hinted: set[int] = set()
+        self._scopes: dict[int, tuple[int, ...]] = {}  # per application, on first use
+        self._producer = graph.producers()
+        self._is_link = bytearray(app.kind is AppKind.LINK for app in graph.apps)
+        self._links = [a for a, app in enumerate(graph.apps) if app.kind is AppKind.LINK]
+        self._fed = bytearray(len(graph.shapes))  # see `_feed`
+        self._fed_for: tuple[int, int] | None = None
+        self._journal: list | None = None  # while `trying`: (value, dim, old axes, old origin)
+        self._queue: deque[int] = deque()
+        self._queued = bytearray(len(graph.apps))
+        axis_sizes = self.axis_sizes  # not self: a cycle would keep the whole state alive
+        self._split = lru_cache(maxsize=None)(  # until the next full garbage collection
+            lambda axes, sizes: split_axes(axes, sizes, axis_sizes)
+        )
+
+    def fork(self) -> Propagator:
+        """A copy whose layouts can change without touching this one (the graph and the
+        rules' indexes are shared): for trying a decision and keeping it or not.
+
+        Example:
+            >>> trial = prop.fork()  # doctest: +SKIP
+            >>> trial.pin(vid, pin); trial.run()  # doctest: +SKIP
+        """
+        other = object.__new__(Propagator)
+        other.__dict__.update(self.__dict__)
+        state = self.state
+        other.state = State(
+            [list(d) for d in state.dims],
+            [list(o) for o in state.origins],
+            dict(state.conflicts),
+            state.visits,
+        )
+        other.hinted = set(self.hinted)
+        other._queue = deque(self._queue)
+        other._queued = bytearray(self._queued)
+        other._deferred = {k: list(v) for k, v in self._deferred.items()}
+        other._fed = bytearray(self._fed)
+        other._journal = None  # a fork made inside `trying` writes into its own state only
+        return other
+
+    @contextmanager
+    def trying(self) -> Iterator[list[tuple[int, int, DimSharding, Origin | None]]]:
+        """Pin and propagate a decision tentatively: every write inside the block is
+        journaled (``(value, dim, old axes, old origin)``, yielded) and undone on exit,
+        with the conflicts it recorded.
+
+        Example:
+            >>> with prop.trying() as written:  # doctest: +SKIP
+            ...     prop.pin(vid, pin); prop.run()
+            ...     reached = {v for v, *_ in written}
+        """
+        journal: list = []
+        self._journal = journal
+        conflicts, hinted, visits = dict(self.state.conflicts), set(self.hinted), self.state.visits
+        try:
+            yield journal
+        finally:
+            self._journal = None
+            dims, origins = self.state.dims, self.state.origins
+            for vid, d, axes, origin in reversed(journal):
+                dims[vid][d] = axes
+                origins[vid][d] = origin
+            self.state.conflicts, self.hinted, self.state.visits = conflicts, hinted, visits
+            self._queue.clear()
+            self._deferred = {}
+            self._queued = bytearray(len(self._queued))
+
+    def pin(self, vid: int, pin: Pin, rank: int = HINT_RANK) -> None:
+        """Set the dims a user pinned (a hint) and queue their applications. ``rank``
+        (`HINT_RANK` or `STORAGE_RANK`) is the priority of what propagates from them when
+        it meets another hint's layout in a conflict."""
+        dims, origins = self.state.dims[vid], self.state.origins[vid]
+        self.hinted.add(vid)
+        pinned = {ax for value in pin.dims if value for ax in value}
+        if self._journal is not None:
+            self._journal.extend((vid, d, dims[d], origins[d]) for d in range(len(dims)))
+        for d, value in enumerate(pin.dims):
+            if value is not None:
+                dims[d] = value
+                origins[d] = Origin(OriginKind.HINT, pin.source, rank=rank)
+            elif dims[d] and pinned.intersection(dims[d]):
+                # propagation reached this dim before the pin (a storage pin comes after
+                # the computation's layout): the pinned dims keep their axes
+                dims[d] = tuple(ax for ax in dims[d] if ax not in pinned)
+                origins[d] = Origin(
+                    OriginKind.HINT, f"{pin.source} (its axes removed here)", rank=rank
+                )
+        self._enqueue(self.uses[vid])
+
+    def default(self, vids: Iterable[int], text: str) -> None:
+        """Fill every still-open dim of ``vids`` as replicated, then propagate from them."""
+        for vid in vids:
+            dims = self.state.dims[vid]
+            touched = False
+            for d, value in enumerate(dims):
+                if value is None:
+                    dims[d] = ()
+                    self.state.origins[vid][d] = Origin(OriginKind.DEFAULT, text)
+                    touched = True
+            if touched:
+                self._enqueue(self.uses[vid])
+        self.run()
+
+    def _enqueue(self, apps: Iterable[int]) -> None:
+        for a in apps:
+            if not self._queued[a]:
+                self._queued[a] = 1
+                self._queue.append(a)
+
+    def run(self) -> None:
+        """Visit queued applications in rounds until nothing changes.
+
+        A round reads the state as it was when the round began and applies all writes
+        together, so two shardings that reach one open dim in the same round are a
+        conflict decided by cost, not by which application was visited first.
+
+        What the inside of a loop (or call) would write into a value the loop passes in
+        from a hinted argument (`_feed`: a stacked weight, through a transpose) waits
+        until nothing else moves: the weight's own layout, arriving along its longer path
+        from the hint, comes first. The other way round, an activation's layout reaching
+        the weight through a contraction would take the axis the weight's hint gives
+        another of its dims, and the weight would be rearranged at every iteration.
+        """
+        bound = self._bound
+        visits = 0
+        queued, visit = self._queued, self._visit
+        self._feed()
+        while self._queue or self._deferred:
+            if not self._queue:
+                deferred, self._deferred = self._deferred, {}
+                self._apply(deferred)
+                continue
+            batch = list(self._queue)
+            self._queue.clear()
+            proposals: dict[tuple[int, int], list[Proposal]] = {}
+            for a in batch:
+                queued[a] = 0
+                visit(a, proposals)
+            visits += len(batch)
+            if visits > bound:
+                raise JaxshardBug(
+                    f"propagation exceeded {bound} visits without reaching a fixed point"
+                )
+            self._apply(proposals)
+        self.state.visits += visits
+
+    def _feed(self) -> None:
+        """Mark the values a loop or call passes in from a hinted argument (through
+        layout-preserving equations: a transpose, a type conversion): what reaches them
+        from inside the loop waits (`run`) until the argument's layout has come in."""
+        key = (id(self.hinted), len(self.hinted))
+        if self._fed_for == key:  # hints are added, never removed, but by `trying`'s undo
+            return
+        self._fed_for = key
+        apps, producer = self.graph.apps, self._producer
+        fed = self._fed = bytearray(len(self.graph.shapes))
+        for a in self._links:
+            app = apps[a]
+            if not app.operands:
+                continue
+            v, seen = app.operands[0], set()
+            while v not in self.hinted and v in producer and v not in seen:
+                seen.add(v)
+                src = apps[producer[v]]
+                if len(src.operands) != 1 or not all(f.plain for f in src.rule.factors):
+                    break
+                v = src.operands[0]
+            if v in self.hinted:
+                for r in app.results:
+                    fed[r] = 1
+
+    def _apply(self, proposals: dict[tuple[int, int], list[Proposal]]) -> None:
+        """Write a round's proposals. A value that changed queues its applications again,
+        except a proposer that wrote exactly this sharding after a conflict-free visit
+        without compound dims: visiting it again would find nothing new."""
+        dims, origins, uses = self.state.dims, self.state.origins, self.uses
+        queued, queue, journal = self._queued, self._queue, self._journal
+        for (vid, d), props in proposals.items():
+            state = dims[vid]
+            if state[d] is not None:
+                continue
+            first = props[0]
+            axes, first_app, _, _, first_quiet = first
+            if len(props) > 1 and any(p[0] != axes for p in props):
+                axes, origin = self._resolve_value(vid, d, props)
+            else:
+                origin = None
+            if axes and any(ax in other for other in state if other for ax in axes):
+                continue  # an axis may shard one dim only; the final pass records a reshard
+            if origin is None:
+                origin = self._origin(first)
+                if len(props) > 1 and origin.rank < HINT_RANK:  # agreeing proposals: the
+                    found = [self._origin(p) for p in props[1:]]  # highest-ranked origin
+                    origin = max([origin, *found], key=lambda o: o.rank)
+            if journal is not None:
+                journal.append((vid, d, None, origins[vid][d]))
+            state[d] = axes
+            origins[vid][d] = origin
+            if len(props) == 1:
+                skip = first_app if first_quiet else -1
+                for u in uses[vid]:
+                    if not queued[u] and u != skip:
+                        queued[u] = 1
+                        queue.append(u)
+            else:
+                quiet = {app for p_axes, app, _, _, q in props if q and p_axes == axes}
+                for u in uses[vid]:
+                    if not queued[u] and u not in quiet:
+                        queued[u] = 1
+                        queue.append(u)
+
+    def _origin(self, proposal: Proposal) -> Origin:
+        _, app, src, src_dim, _ = proposal
+        root = self.state.origins[src][src_dim] if src >= 0 else None
+        return Origin(
+            OriginKind.PROPAGATED,
+            app=app,
+            source=src,
+            source_dim=src_dim,
+            rank=DEFAULT_RANK if root is None else root.rank,
+        )
+
+    def _visit(self, a: int, proposals: dict[tuple[int, int], list[Proposal]]) -> None:
+        values, sources, conflict = self._gather(a)
+        if conflict:
+            values, sources = self._factor_values_with_conflicts(a)
+        if not values:
+            return
+        _, compound, writable, _ = self._struct[a]
+        quiet = not conflict and not compound  # see `_apply`
+        vids = self._vids[a]
+        dims = self.state.dims
+        deferred, fed, is_link = self._deferred, self._fed, self._is_link
+        for t, d, fl, sizes in writable:
+            vid = vids[t]
+            if dims[vid][d] is not None:
+                continue
+            if len(fl) == 1:
+                new = values.get(fl[0])
+            else:
+                new, _ = join_axes([values.get(f) for f in fl], sizes, self.axis_sizes)
+            if new is None:
+                continue
+            src, src_dim = sources.get(fl[0], (-1, -1))
+            key = (vid, d)
+            into = deferred if new and fed[vid] and not is_link[a] else proposals
+            found = into.get(key)
+            if found is None:
+                into[key] = [(new, a, src, src_dim, quiet)]
+            else:
+                found.append((new, a, src, src_dim, quiet))
