@@ -2,7 +2,8 @@
 
 Outline, module by module:
 
-1. `problem` builds the problem from the traced graph. Propagation moves a sharding along
+1. `problem` builds the problem from the traced graph, from two parts: `decisions` (dim
+   classes, groups, candidates) and `terms` (the joint costs). Propagation moves a sharding along
    the factors of every rule, so the (value, dim) pairs one factor connects form a *dim
    class* (the residual stream's model dim across all layers, one layer's attention
    heads, the batch): whatever axes one member carries, propagation gives to all. Where
