@@ -9,8 +9,9 @@ every value, the in/out specs as pytrees, and explains itself.
 
 The package holds one idea per module and this file only re-exports: `record` (the
 `Plan` record and what a saved plan records), `apps` (what each equation moves),
-`pins` (pins and storage layouts), `decide` (settling open dims, `split_for_memory`)
-and `make` (the pipeline end to end).
+`pins` (pins and storage layouts), `decide` (settling open dims, `split_for_memory`),
+`memory` (the plan's memory estimate, a mixin of `Plan`) and `make` (the pipeline end
+to end).
 """
 
 from jaxshard.graph import contracts

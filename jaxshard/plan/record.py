@@ -6,10 +6,8 @@ record imports nothing above itself."""
 
 from __future__ import annotations
 
-import bisect
-import functools
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -18,23 +16,14 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxshard.cost import (
-    Liveness,
-    MemoryEstimate,
     PlannedCollective,
     WrittenCollective,
-    bitcasts,
-    combines_all_reduces,
     executions,
-    fused_liveness,
     has_reduce_scatter,
     in_while_loop,
-    liveness,
-    memory_estimate,
     nbytes,
     per_device_bytes,
-    reads_of,
     reshard_collectives,
-    schedule,
     step_bytes,
     written_collectives,
     xla_scope,
@@ -42,7 +31,8 @@ from jaxshard.cost import (
 from jaxshard.errors import JaxshardBug
 from jaxshard.graph import Graph, contracts
 from jaxshard.lattice import DimSharding, to_spec
-from jaxshard.plan.apps import analyzed_apps, app_moves, dead_apps
+from jaxshard.plan.apps import analyzed_apps, app_moves
+from jaxshard.plan.memory import PlanMemory
 from jaxshard.propagate import (
     Conflict,
     Origin,
@@ -121,7 +111,7 @@ def _stage(name: str) -> Callable[..., Any]:
     return _STAGES[name]  # registered when the jaxshard package is imported, before any plan
 
 
-class Plan:
+class Plan(PlanMemory):
     """A complete sharding plan for one function and one set of argument shapes.
 
     Attributes: ``in_specs``/``out_specs`` (pytrees of PartitionSpec shaped like the
@@ -327,195 +317,6 @@ class Plan:
                 device += per_device_bytes(g.shapes[vid], g.dtypes[vid], self.dims[vid], sizes)
                 total += nbytes(g.shapes[vid], g.dtypes[vid])
         return device, total
-
-    @functools.cached_property
-    def estimated_memory(self) -> MemoryEstimate:
-        """Estimated memory per device in bytes (the unit of ``memory_budget``): arguments,
-        results and the peak of live intermediates, counted as XLA's fusion and buffer
-        sharing leave them (`jaxshard.cost.memory_estimate`); ``.total`` is the figure a
-        compiled program's memory analysis (arguments + results + temporaries) gives.
-
-        Example:
-            >>> plan.estimated_memory.total  # doctest: +SKIP
-            35789824
-        """
-        g = self.graph
-        # readers of a reduced value wait for its combined reduction
-        reduced = self._reduction_times(schedule(g).at)
-        ready = {self.reshards[i].vid: t for i, t in reduced.items()}
-        views = bitcasts(g, self.dims, self.axis_sizes, {r.app for r in self.reshards})
-        live = fused_liveness(g, liveness(g, dead_apps(g), ready, views))
-        copies = self.moved_copies(live, reduced)
-        return memory_estimate(g, self.dims, self.axis_sizes, self.out_dims, live, copies)
-
-    def moved_copies(
-        self, live: Liveness | None = None, reduced: Mapping[int, int] | None = None
-    ) -> list[tuple[int, int, int]]:
-        """The buffers no value holds: operands moved for their use (a parameter
-        gathered from its storage layout), alive from the use that moves it to the last
-        later contraction in the same XLA computation that reads the same copy (XLA
-        merges those collectives, `_move_operand`), and the working buffers of results
-        computed in a larger layout (a gradient summed whole, then reduce-scattered) or
-        gathered to one (an optimizer update gathered to its parameter's layout,
-        `_gathered_together`); as ``(first, last, bytes per device)`` in the times of
-        ``live``'s schedule (XLA gathers a parameter before the loops when nothing else
-        holds the gather back); ``reduced``: `_reduction_times` in those times, when
-        known.
-
-        Example:
-            >>> plan.moved_copies()  # doctest: +SKIP
-            [(212, 480, 2101346304)]
-        """
-        g = self.graph
-        sched = (live or liveness(g)).schedule
-        at = sched.at
-        last: dict[tuple, int] = {}
-        for a, vid, dst in self.repeats:
-            key = (vid, dst, xla_scope(g.apps[a].where))
-            last[key] = max(last.get(key, at[a]), at[a])
-        copies = []
-        uses = producers = None  # made when a gathered result needs its readers
-        reduced = self._reduction_times(at) if reduced is None else reduced
-        stored = set() if live is None else set(live.intermediates.tolist())
-        outs = set(g.out_vids)
-        buffers = stored | outs
-        applied: dict[str, list] = {}  # scope -> gathered updates fused into their applies
-        for i, r in enumerate(self.reshards):
-            t = int(at[r.app])
-            if r.vid in g.apps[r.app].results:
-                # computed in its working layout (a partial sum), then moved: the working
-                # buffer is alive until its (possibly combined) collective runs
-                size = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.src, self.axis_sizes)
-                own = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.dst, self.axis_sizes)
-                if size > own:
-                    copies.append((t, reduced.get(i, t), size))
-                o = None if live is None else live.owner[r.vid]
-                if o is not None and o not in stored and live.end[o] >= 0:
-                    # an elementwise result fusion would recompute in its readers: the
-                    # collective's output is a buffer of its own (an optimizer update
-                    # gathered to its parameter's layout)
-                    if uses is None:
-                        uses, producers = g.uses(), g.producers()
-                    readers = self._fusion_readers(r.vid, buffers, uses, at)
-                    end = int(max(t, live.end[o], *readers.values()))
-                    written = {v: w for v, w in readers.items() if v in outs}
-                    first = min(readers.values(), default=t)
-                    if written:  # an update applied to a parameter
-                        scope = xla_scope(g.apps[r.app].where)
-                        ready = self._fused_from(r.vid, buffers, producers, at)
-                        applied.setdefault(scope, []).append((ready, first, end, own, written))
-                    else:
-                        copies.append((first, end, own))
-                continue
-            size = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.dst, self.axis_sizes)
-            key = (r.vid, r.dst, xla_scope(g.apps[r.app].where))
-            copies.append((sched.hoisted(r.app, r.vid), int(max(t, last.get(key, t))), size))
-        for group in applied.values():
-            copies += self._gathered_together(group)
-        return copies
-
-    def _gathered_together(self, group: list) -> list[tuple[int, int, int]]:
-        """The gathered results of one computation that fusion folds into readers that
-        write step results (optimizer updates gathered to their parameters' layouts;
-        ``(computed, first reader, last reader, bytes, {result written: when})`` each),
-        as XLA lays them out: it issues the gathers one after another before the first
-        of their readers that runs once they are computed, so each is alive from there
-        (optax computes every leaf's update, then applies them all: XLA gathers every
-        update, then applies them), and a gather can sit in the buffer of a step result
-        written after its last reader (a later parameter's new value): largest first,
-        one gather to a result."""
-        g = self.graph
-        firsts = sorted(first for _, first, *_ in group)
-        sizes = {
-            v: per_device_bytes(g.shapes[v], g.dtypes[v], d, self.axis_sizes)
-            for v, d in zip(g.out_vids, self.out_dims)
-        }  # fmt: skip
-        free = {v: t for *_, written in group for v, t in written.items()}
-        copies = []
-        for ready, first, last, size, _ in sorted(group, key=lambda c: -c[3]):
-            fits = [v for v, t in free.items() if t > last and sizes[v] >= size]
-            if fits:
-                del free[min(fits, key=sizes.get)]
-            else:
-                earliest = firsts[min(bisect.bisect_left(firsts, ready), len(firsts) - 1)]
-                copies.append((min(first, earliest), last, size))
-        return copies
-
-    def _fused_from(self, v: int, buffers: set[int], producers, at) -> int:
-        """When the last buffer that the chain fusion folds into ``v`` reads is written
-        (XLA can compute ``v`` from then on)."""
-        g = self.graph
-        ready, todo, seen = 0, [v], {v}
-        while todo:
-            a = producers.get(todo.pop())
-            if a is None:
-                continue
-            for x in g.apps[a].operands:
-                if x in buffers:
-                    ready = max(ready, int(at[producers[x]]) if x in producers else 0)
-                elif x not in seen:
-                    seen.add(x)
-                    todo.append(x)
-        return ready
-
-    def _fusion_readers(self, v: int, buffers: set[int], uses, at) -> dict[int, int]:
-        """The buffers (values in ``buffers``: stored, or results) written by equations
-        that read ``v`` through the chain fusion folds into them, with when each is
-        written."""
-        g = self.graph
-        written, todo, seen = {}, [v], {v}
-        while todo:
-            x = todo.pop()
-            for a in uses[x]:
-                if x not in g.apps[a].operands:
-                    continue
-                for res in g.apps[a].results:
-                    if res in buffers:
-                        written[res] = int(at[a])
-                    elif res not in seen:
-                        seen.add(res)
-                        todo.append(res)
-        return written
-
-    def _reduction_times(self, at) -> dict[int, int]:
-        """When each partial sum's all-reduce runs, by index into ``reshards``, where XLA
-        combines them (`combines_all_reduces`): the reductions over the same axes in one
-        computation are taken in order and combined until one reads the result of
-        another in its group (or 256 are), and a group runs when its last member's
-        partial is ready, so earlier partials wait (a head's gradient, summed before the
-        backward loop, until the embedding's after it)."""
-        g = self.graph
-        if not combines_all_reduces(self.mesh):
-            return {}
-        sums = [
-            (int(at[r.app]), i, r) for i, r in enumerate(self.reshards)
-            if r.partial and r.vid in g.apps[r.app].results
-        ]  # fmt: skip
-        if len(sums) < 2:
-            return {}
-        own = {}
-        for k, (_, _, r) in enumerate(sums):
-            own[r.vid] = own.get(r.vid, 0) | 1 << k
-        reads = reads_of(g, own)  # the reductions each value reads the result of
-        groups: dict[tuple, list[tuple[int, int, int]]] = {}
-        times: dict[int, int] = {}
-
-        def close(members) -> None:
-            end = max(t for t, _, _ in members)
-            times.update((i, end) for _, i, _ in members)
-
-        for k, (t, i, r) in sorted(enumerate(sums), key=lambda x: x[1][0]):
-            key = (xla_scope(g.apps[r.app].where), r.partial)
-            members = groups.setdefault(key, [])
-            if members and (
-                len(members) == 256 or reads[r.vid] & sum(1 << m for _, _, m in members)
-            ):
-                close(members)
-                members.clear()
-            members.append((t, i, k))
-        for members in groups.values():
-            close(members)
-        return times
 
     @property
     def predicted_bytes(self) -> float:
