@@ -152,3 +152,15 @@ def test_console_script_runs_the_search():
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("search: ") and "params/layers/1/w" in done.stdout
+
+
+def test_every_package_folder_is_packaged():
+    """A folder missing from ``[tool.setuptools] packages`` is left out of a wheel (an
+    editable install still finds it, so only a non-editable install would fail)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])  # fmt: skip
+    found = {"jaxshard.rules"} | {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for init in (ROOT / "jaxshard").rglob("__init__.py")
+    }
+    assert found <= listed, f"add to pyproject.toml's packages: {sorted(found - listed)}"
