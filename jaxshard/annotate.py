@@ -272,16 +272,29 @@ def match_hints(
                 JaxshardWarning,
             )
         for i in hits:
-            hint = ""
             if isinstance(key, ExactPath):
-                source = f"{key.origin} on {key.path}: {spec_text(spec)}"
-                hint = f"{key.origin}: {spec_text(spec)}"
+                pin = exact_pin(spec, shapes[i], axis_sizes, names[i], key.origin)
             else:
                 source = f"hint {key!r}: {spec_text(spec)}"
-            pin = pin_from_spec(spec, shapes[i], axis_sizes, names[i], source)
-            pin = Pin(pin.dims, pin.source, pin.kind, pin.parts, hint)
+                pin = pin_from_spec(spec, shapes[i], axis_sizes, names[i], source)
             pins[i] = merge_pins(pins[i], pin, names[i]) if i in pins else pin
     return pins
+
+
+def exact_pin(
+    spec: PartitionSpec, shape: Sequence[int], axis_sizes: Mapping[str, int], name: str, origin: str
+) -> Pin:
+    """The pin of a layout given for one path by ``origin`` (Flax metadata, the search):
+    named by its origin in explanations and conflicts.
+
+    Example:
+        >>> from jax.sharding import PartitionSpec as P
+        >>> pin = exact_pin(P("data"), (8, 4), {"data": 2}, "batch/x", "jaxshard search")
+        >>> pin.dims, pin.source
+        ((('data',), None), "jaxshard search on batch/x: P('data')")
+    """
+    pin = pin_from_spec(spec, shape, axis_sizes, name, f"{origin} on {name}: {spec_text(spec)}")
+    return Pin(pin.dims, pin.source, pin.kind, pin.parts, f"{origin}: {spec_text(spec)}")
 
 
 class ExactPath(str):

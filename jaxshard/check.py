@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxshard.cost import CollectiveKind
 from jaxshard.errors import ShardingError
 from jaxshard.kernels import sdy_rule, to_rule, with_rule
 from jaxshard.rule import FactorKind, Rule
@@ -172,7 +173,7 @@ def check_factor(
         # run alone on a shard, the lookup would read global indices as local ones: the
         # sharded run above checked the numbers; the claim left is that the partial
         # lookups are summed (an all-reduce), not the table gathered first
-        moved = set(hlo_collectives(compiled.as_text())) - {"all-reduce"}
+        moved = set(hlo_collectives(compiled.as_text())) - {CollectiveKind.ALL_REDUCE}
         if moved:
             raise RuleCheckError(
                 f"{where}: an indexed reduction must compile to all-reduces of its partial "
@@ -216,12 +217,12 @@ def _check_halo(text, rule, f, args, mesh, where, tolerated) -> None:
     )
     want = Counter(r * section for r in rows)
     found = compiled_collectives(text, mesh)
-    have = Counter(c.bytes for c in found if c.kind == "collective-permute")
-    others = Counter(c.kind for c in found if c.kind != "collective-permute")
+    have = Counter(c.bytes for c in found if c.kind == CollectiveKind.PERMUTE)
+    others = Counter(c.kind for c in found if c.kind != CollectiveKind.PERMUTE)
     if tolerated is not None:
         others -= tolerated(text)
     if rule.factors[f].kind is FactorKind.REDUCTION:
-        others.pop("all-reduce", None)
+        others.pop(CollectiveKind.ALL_REDUCE, None)
     if have != want or others:
         raise RuleCheckError(
             f"{where}: a windowed factor split in 2 must compile to collective-permutes of "

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jaxshard.cost import compute_flops, dtype_name, human_bytes, nbytes, per_device_bytes
+from jaxshard.cost import (
+    CollectiveKind,
+    compute_flops,
+    dtype_name,
+    human_bytes,
+    nbytes,
+    per_device_bytes,
+)
 from jaxshard.graph import AppKind
 from jaxshard.lattice import to_spec
 from jaxshard.plan import register_stage
@@ -55,7 +62,7 @@ def _partial_text(axes) -> str:
 def _layout_text(r) -> str:
     """A reshard's layouts: ``from -> to``, or the one layout of a halo exchange (a
     windowed equation's neighbours' rows, the layout unchanged)."""
-    if r.src == r.dst and not r.partial and all(s.kind == "collective-permute" for s in r.steps):
+    if r.src == r.dst and not r.partial and all(s.kind == CollectiveKind.PERMUTE for s in r.steps):
         return f"{to_spec(r.src)}, halo"
     return f"{to_spec(r.src)}{_partial_text(r.partial)} -> {to_spec(r.dst)}"
 
@@ -114,7 +121,7 @@ def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False
                     [
                         c.line,
                         c.kind,
-                        ",".join(c.axes),
+                        ",".join(sorted(c.axes)),
                         human_bytes(c.ring_bytes * c.runs),
                         str(c.runs),
                     ]

@@ -17,13 +17,12 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxshard.cost import ring_bytes
+from jaxshard.cost import Collective, CollectiveKind
 
-KINDS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
+KINDS = tuple(CollectiveKind)
 _INSTRUCTION = re.compile(r"=\s*[^=]*?\b(" + "|".join(KINDS) + r")(?:-start)?\(")
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*(.*?)\s+(" + "|".join(KINDS) + r")(-start)?\((.*)$")
 # Bytes per element of each HLO element type. Sub-byte types (s2/s4/u4, fp4) occupy a byte
@@ -66,45 +65,7 @@ def hlo_collectives(hlo_text: str) -> Counter:
         >>> hlo_collectives("%ar = f32[8]{0} all-reduce(f32[8]{0} %x), to_apply=%sum")
         Counter({'all-reduce': 1})
     """
-    return Counter(m.group(1) for m in _INSTRUCTION.finditer(hlo_text))
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective transfer: kind, the mesh axes it spans, per-device bytes of one
-    operand (of the result for an all-gather or reduce-scatter). Matching compares these
-    three; ``group`` (devices per replica group) and ``runs`` (per call; None: inside a
-    loop whose trip count is unknown) ride along.
-
-    Example:
-        >>> c = Collective("all-gather", frozenset({"model"}), 1024, group=4, runs=2)
-        >>> str(c), c.ring_bytes
-        ('all-gather over model of 1024 B, 2 runs', 768.0)
-    """
-
-    kind: str
-    axes: frozenset[str]
-    bytes: int  # one operand's buffer per device (the ring volume is `ring_bytes`)
-    group: int = field(default=0, compare=False)
-    runs: int | None = field(default=1, compare=False)
-
-    @property
-    def ring_bytes(self) -> float:
-        """Bytes one device sends per run with ring algorithms (the cost model's volumes):
-        all-reduce 2(n-1)/n·S, all-gather and all-to-all (n-1)/n·S, reduce-scatter (n-1)·S
-        (S its scattered result), collective-permute S; 0 for a group of one."""
-        n, s = self.group, self.bytes
-        if n <= 1 and self.kind != "collective-permute":
-            return 0.0
-        return ring_bytes(self.kind, n, n * s if self.kind == "reduce-scatter" else s)
-
-    def __str__(self) -> str:
-        runs = (
-            ", in a loop of unknown trip count"
-            if self.runs is None
-            else (f", {self.runs} runs" if self.runs != 1 else "")
-        )
-        return f"{self.kind} over {','.join(sorted(self.axes)) or '?'} of {self.bytes} B{runs}"
+    return Counter(CollectiveKind(m.group(1)) for m in _INSTRUCTION.finditer(hlo_text))
 
 
 def _groups_to_axes(groups: list[list[int]], mesh) -> frozenset[str]:
@@ -365,17 +326,22 @@ def compiled_collectives(hlo_text: str, mesh) -> list[Collective]:
             if not m:
                 continue
             result, kind, start, rest = m.groups()
+            kind = CollectiveKind(kind)
             groups = _parse_groups(rest, n)
             axes = _groups_to_axes(groups, mesh) if groups else frozenset({"?"})
             size = len(next(iter(groups), [])) if groups else 0
-            if kind == "collective-permute" and not groups:
+            if kind == CollectiveKind.PERMUTE and not groups:
                 axes, size = _permute_axes(rest, mesh)
             sizes = shape_bytes(result)
-            if start and kind == "all-gather":
+            if start and kind == CollectiveKind.ALL_GATHER:
                 sizes = sizes[len(sizes) // 2 :]  # -start returns (operands, results)
-            elif start and kind == "collective-permute":
+            elif start and kind == CollectiveKind.PERMUTE:
                 sizes = sizes[:1]
-            elif kind == "all-to-all" and "dimensions=" not in rest and len(sizes) == size > 1:
+            elif (
+                kind == CollectiveKind.ALL_TO_ALL
+                and "dimensions=" not in rest
+                and len(sizes) == size > 1
+            ):
                 # the tuple form: operand i goes to the group's i-th device, one exchange
                 sizes = [sum(sizes)]
             out.extend(Collective(kind, axes, local, size, times) for local in sizes)

@@ -27,7 +27,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.extend.core import primitives as prims
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxshard.cost import reshard_steps
+from jaxshard.cost import CollectiveKind, reshard_steps
 from jaxshard.graph import AppKind, contracts
 from jaxshard.jax_compat import (
     UNSPECIFIED,
@@ -328,7 +328,7 @@ class Lowered:
             app = plan.graph.apps[r.app]
             if r.vid not in app.results:
                 continue
-            if contracts(app) and any(step.kind == "all-to-all" for step in r.steps):
+            if contracts(app) and any(step.kind == CollectiveKind.ALL_TO_ALL for step in r.steps):
                 # a contraction's result the plan moves by an all-to-all: left to itself,
                 # XLA computes it in the final layout, gathering an operand the plan
                 # keeps split (measured: a weight gradient whose inputs are split on one

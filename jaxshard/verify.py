@@ -23,10 +23,10 @@ import os
 import re
 import tempfile
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from jaxshard.baseline import compiled_memory
-from jaxshard.cost import human_bytes, nbytes, shards
+from jaxshard.cost import CollectiveKind, human_bytes, nbytes, shards
 from jaxshard.hlo import (  # noqa: F401  (hlo_collectives and computation_runs: re-exported)
     Collective,
     compiled_collectives,
@@ -135,14 +135,13 @@ def predicted_collectives(plan) -> list[Collective]:
         for kind, names, ring in r.steps:
             axes = frozenset(names)
             # as compiled_collectives counts them: the result of a gather or scatter
-            local = after if kind in ("all-gather", "reduce-scatter") else before
-            if kind == "collective-permute":  # a halo: the rows it sends
+            local = after if kind.sized_by_result else before
+            if kind == CollectiveKind.PERMUTE:  # a halo: the rows it sends
                 local = int(ring)
             group = math.prod(sizes[a] for a in axes)
             out.append(Collective(kind, axes, local, group, None if r.in_while else r.runs))
-    for c in plan.written:
-        runs = None if c.in_while else c.runs
-        out.append(Collective(c.kind, frozenset(c.axes), c.local, c.group, runs))
+    # a while loop's trip count is not known when planning
+    out += [replace(c, runs=None) if c.in_while else c for c in plan.written]
     return out
 
 
@@ -202,7 +201,7 @@ def _decomposed(c: Collective, unmatched: Counter, sizes) -> bool:
         steps, size = [], c.bytes
         for axis in reversed(order):  # the last step produces the full result
             steps.append(Collective(c.kind, frozenset({axis}), size))
-            if c.kind == "all-gather":
+            if c.kind == CollectiveKind.ALL_GATHER:
                 size //= sizes[axis]
         if all(unmatched[s] > 0 for s in steps):
             for s in steps:
@@ -215,9 +214,11 @@ def _reduced_then_sliced(c: Collective, unmatched: Counter, sizes) -> bool:
     """Match one run of a reduce-scatter that XLA made an all-reduce of the whole input,
     each device keeping its slice (backends without reduce-scatter, such as the CPU);
     consumes the all-reduce."""
-    if c.kind != "reduce-scatter" or not all(a in sizes for a in c.axes):
+    if c.kind != CollectiveKind.REDUCE_SCATTER or not all(a in sizes for a in c.axes):
         return False
-    whole = Collective("all-reduce", c.axes, c.bytes * math.prod(sizes[a] for a in c.axes))
+    whole = Collective(
+        CollectiveKind.ALL_REDUCE, c.axes, c.bytes * math.prod(sizes[a] for a in c.axes)
+    )
     if unmatched[whole] > 0:
         unmatched[whole] -= 1
         return True

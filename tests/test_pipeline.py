@@ -93,7 +93,7 @@ def test_compiled_program_permutes_over_stage_as_predicted(sgd_runs, pipe_mesh):
     piped, _, _, args = sgd_runs
     plan = piped.plan(*args)
     permutes = [c for c in plan.written if c.kind == "collective-permute"]
-    assert len(permutes) == 2 and all(c.axes == ("stage",) for c in permutes)  # fwd, bwd
+    assert len(permutes) == 2 and all(c.axes == {"stage"} for c in permutes)  # fwd, bwd
     assert all(c.runs == 4 + 2 - 1 for c in permutes)  # M + S - 1 iterations each
     compiled = piped.lower(*args).compile()
     found = [

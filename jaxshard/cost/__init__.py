@@ -14,6 +14,7 @@ The package holds one idea per module and this file only re-exports: `sizes`,
 """
 
 from jaxshard.cost.collectives import (  # noqa: F401
+    Collective,
     PartialSum,
     PlannedCollective,
     _order_changed,
@@ -54,6 +55,7 @@ from jaxshard.cost.schedule import (  # noqa: F401
     xla_scope,
 )
 from jaxshard.cost.sizes import (  # noqa: F401
+    CollectiveKind,
     dtype_name,
     human_bytes,
     itemsize,
@@ -68,7 +70,6 @@ from jaxshard.cost.steptime import (  # noqa: F401
     _WRITTEN,
     CostModel,
     StepTime,
-    WrittenCollective,
     _body_sources,
     _contractions,
     _in_scan,

@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from jax.sharding import AbstractMesh
 
-from jaxshard.cost.sizes import itemsize, nbytes, per_device_shape, ring_bytes, shards
+from jaxshard.cost.sizes import (
+    CollectiveKind,
+    itemsize,
+    nbytes,
+    per_device_shape,
+    ring_bytes,
+    shards,
+)
 from jaxshard.lattice import DimSharding
 from jaxshard.rule import FactorKind
 
@@ -94,12 +102,65 @@ class PlannedCollective(NamedTuple):
         all-gather over data,model
     """
 
-    kind: str
+    kind: CollectiveKind
     axes: tuple[str, ...]
     ring_bytes: float  # what one device sends (ring volume), not a buffer's size
 
     def __str__(self) -> str:
         return f"{self.kind} over {','.join(self.axes)}"
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a program runs: as `jaxshard.hlo.compiled_collectives` reads a
+    compiled program, as a plan writes it inside `shard_map` (`written_collectives`), and
+    as `jaxshard.verify` matches the two. ``bytes`` is one device's buffer of it: its
+    operand's, its result's where the kind is `CollectiveKind.sized_by_result` (an
+    all-gather's whole result, a reduce-scatter's slice); `ring_bytes` is what one device
+    sends per run. Matching compares kind, axes and bytes; the rest rides along:
+    ``group`` (devices per replica group), ``runs`` per call (None: inside a compiled loop
+    whose trip count is unknown), ``in_while`` (planned inside a while loop, whose body
+    ``runs`` counts once) and ``line`` (the source line that writes it).
+
+    Example:
+        >>> c = Collective("all-gather", frozenset({"model"}), 1024, group=4, runs=2)
+        >>> str(c), c.ring_bytes
+        ('all-gather over model of 1024 B, 2 runs', 768.0)
+    """
+
+    kind: CollectiveKind
+    axes: frozenset[str]
+    bytes: int
+    group: int = field(default=0, compare=False)
+    runs: int | None = field(default=1, compare=False)
+    in_while: bool = field(default=False, compare=False)
+    line: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:  # typed here: a kind may come by its HLO name
+        object.__setattr__(self, "kind", CollectiveKind(self.kind))
+        object.__setattr__(self, "axes", frozenset(self.axes))
+
+    @property
+    def ring_bytes(self) -> float:
+        """Bytes one device sends per run with ring algorithms (the cost model's volumes):
+        all-reduce 2(n-1)/n·S, all-gather and all-to-all (n-1)/n·S, reduce-scatter (n-1)·S
+        (S its scattered result), collective-permute S; 0 for a group of one."""
+        n, s = self.group, self.bytes
+        if n <= 1 and self.kind != CollectiveKind.PERMUTE:
+            return 0.0
+        return ring_bytes(self.kind, n, n * s if self.kind == CollectiveKind.REDUCE_SCATTER else s)
+
+    def __str__(self) -> str:
+        runs = (
+            ", in a loop of unknown trip count"
+            if self.runs is None
+            else (f", {self.runs} runs" if self.runs != 1 else "")
+        )
+        written = f" (written at {self.line})" if self.line else ""
+        return (
+            f"{self.kind} over {','.join(sorted(self.axes)) or '?'} of {self.bytes} B{runs}"
+            + written
+        )
 
 
 def unhaloed(rule, values, axis_sizes) -> set[int]:
@@ -159,7 +220,7 @@ def halo_collectives(
         )
         section = math.prod(n for d, n in enumerate(local) if d != dim)
         section *= itemsize(graph.dtypes[vid])
-        out += [(vid, PlannedCollective("collective-permute", axes, float(r * section)))
+        out += [(vid, PlannedCollective(CollectiveKind.PERMUTE, axes, float(r * section)))
                 for r in rows]  # fmt: skip
         if not window.reverse:
             local[dim] += sum(rows)
@@ -237,37 +298,32 @@ def _step_collectives(shape, dtype, src, dst, axis_sizes, partial, reduce_scatte
     local_dst = total / shards(dst, axis_sizes)
     local_src = total / shards(src, axis_sizes)
     out: list[PlannedCollective] = []
+
+    def add(kind: CollectiveKind, axes, local: float, priced_as: CollectiveKind | None = None):
+        n = math.prod(axis_sizes[a] for a in axes)
+        out.append(PlannedCollective(kind, tuple(axes), ring_bytes(priced_as or kind, n, local)))
+
     scattered = sorted(a for a in partial if a in where_dst)
     reduced = sorted(a for a in partial if a not in where_dst)
     for group in groups:  # one all-reduce per reduction factor's axes, as XLA emits them
-        axes = tuple(sorted(a for a in group if a in reduced))
+        axes = sorted(a for a in group if a in reduced)
         if axes:
-            n = math.prod(axis_sizes[a] for a in axes)
-            out.append(
-                PlannedCollective("all-reduce", axes, ring_bytes("all-reduce", n, local_src))
-            )
+            add(CollectiveKind.ALL_REDUCE, axes, local_src)
     if scattered:  # the input is whole along the scattered axes, whatever ``src`` says
-        n = math.prod(axis_sizes[a] for a in scattered)
         whole = [tuple(a for a in d if a not in scattered) for d in src]
-        kind = "reduce-scatter" if reduce_scatter else "all-reduce"
-        volume = ring_bytes(kind, n, total / shards(whole, axis_sizes))
-        out.append(PlannedCollective("reduce-scatter", tuple(scattered), volume))
+        # a backend without reduce-scatter all-reduces the input, each device keeping its slice
+        kind = CollectiveKind.REDUCE_SCATTER if reduce_scatter else CollectiveKind.ALL_REDUCE
+        add(CollectiveKind.REDUCE_SCATTER, scattered, total / shards(whole, axis_sizes), kind)
     moved = sorted(
         a
         for a, i in where_src.items()
         if a in where_dst and (where_dst[a] != i or _order_changed(src[i], dst[where_dst[a]], a))
     )
     if moved:
-        n = math.prod(axis_sizes[a] for a in moved)
-        out.append(
-            PlannedCollective("all-to-all", tuple(moved), ring_bytes("all-to-all", n, local_dst))
-        )
+        add(CollectiveKind.ALL_TO_ALL, moved, local_dst)
     removed = sorted(a for a in where_src if a not in where_dst)
     if removed:
-        n = math.prod(axis_sizes[a] for a in removed)
-        out.append(
-            PlannedCollective("all-gather", tuple(removed), ring_bytes("all-gather", n, local_dst))
-        )
+        add(CollectiveKind.ALL_GATHER, removed, local_dst)
     return out
 
 

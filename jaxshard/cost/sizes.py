@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from enum import StrEnum
 
 import numpy as np
 
@@ -92,17 +93,45 @@ def per_device_shape(shape, dims, axis_sizes) -> tuple[int, ...]:
     return tuple(n // math.prod(axis_sizes[a] for a in d or ()) for n, d in zip(shape, dims))
 
 
-def ring_bytes(kind: str, n: int, local: float) -> float:
+class CollectiveKind(StrEnum):
+    """The collectives a plan calls for and XLA emits, named as in HLO text. A string:
+    each compares equal to (and hashes as) its HLO name, and prints as it.
+
+    Example:
+        >>> CollectiveKind("all-gather") is CollectiveKind.ALL_GATHER, CollectiveKind.ALL_GATHER
+        (True, 'all-gather')
+        >>> CollectiveKind.REDUCE_SCATTER.sized_by_result, CollectiveKind.ALL_REDUCE.sized_by_result
+        (True, False)
+    """
+
+    ALL_REDUCE = "all-reduce"
+    ALL_GATHER = "all-gather"
+    REDUCE_SCATTER = "reduce-scatter"
+    ALL_TO_ALL = "all-to-all"
+    PERMUTE = "collective-permute"
+
+    def __repr__(self) -> str:  # as its HLO name, so records print as they always have
+        return str.__repr__(self)
+
+    @property
+    def sized_by_result(self) -> bool:
+        """Whether a device's buffer of it is counted by its result (a gather's whole
+        result, a scatter's slice) rather than by its operand, as compiled programs are
+        read (`jaxshard.hlo.compiled_collectives`)."""
+        return self in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER)
+
+
+def ring_bytes(kind: CollectiveKind, n: int, local: float) -> float:
     """Bytes one device sends for one collective over a group of ``n`` devices with ring
     algorithms: ``2(n-1)/n`` of the buffer for an all-reduce, ``(n-1)/n`` for the others.
     ``local`` is the per-device buffer: the all-reduced one, the all-gathered result, the
     reduce-scattered input, the all-to-all buffer; a collective-permute sends it whole.
 
     Example:
-        >>> ring_bytes("all-reduce", 4, 1024), ring_bytes("all-gather", 4, 1024)
+        >>> ring_bytes(CollectiveKind.ALL_REDUCE, 4, 1024), ring_bytes(CollectiveKind.ALL_GATHER, 4, 1024)
         (1536.0, 768.0)
     """
-    if kind == "collective-permute":
+    if kind == CollectiveKind.PERMUTE:
         return float(local)
     share = (n - 1) / n * local
-    return 2 * share if kind == "all-reduce" else share
+    return 2 * share if kind == CollectiveKind.ALL_REDUCE else share

@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 
 from jax.extend.core import Literal
 
-from jaxshard.cost.collectives import reshard_collectives
-from jaxshard.cost.sizes import nbytes, ring_bytes, shards
+from jaxshard.cost.collectives import Collective, reshard_collectives
+from jaxshard.cost.sizes import CollectiveKind, nbytes, shards
 from jaxshard.lattice import DimSharding
 
 
@@ -164,48 +164,19 @@ def loop_counter():
 
 # collectives a program writes itself (inside shard_map): primitive -> (kind, axes parameter)
 _WRITTEN = {
-    "ppermute": ("collective-permute", "axis_name"),
-    "psum": ("all-reduce", "axes"),
-    "psum_invariant": ("all-reduce", "axes"),
-    "pmax": ("all-reduce", "axes"),
-    "pmin": ("all-reduce", "axes"),
-    "all_gather": ("all-gather", "axis_name"),
-    "all_gather_invariant": ("all-gather", "axis_name"),
-    "reduce_scatter": ("reduce-scatter", "axis_name"),
-    "all_to_all": ("all-to-all", "axis_name"),
+    "ppermute": (CollectiveKind.PERMUTE, "axis_name"),
+    "psum": (CollectiveKind.ALL_REDUCE, "axes"),
+    "psum_invariant": (CollectiveKind.ALL_REDUCE, "axes"),
+    "pmax": (CollectiveKind.ALL_REDUCE, "axes"),
+    "pmin": (CollectiveKind.ALL_REDUCE, "axes"),
+    "all_gather": (CollectiveKind.ALL_GATHER, "axis_name"),
+    "all_gather_invariant": (CollectiveKind.ALL_GATHER, "axis_name"),
+    "reduce_scatter": (CollectiveKind.REDUCE_SCATTER, "axis_name"),
+    "all_to_all": (CollectiveKind.ALL_TO_ALL, "axis_name"),
 }
 
 
-@dataclass(frozen=True)
-class WrittenCollective:
-    """A collective the program writes itself (in a `shard_map` body): its kind, mesh
-    axes, per-device bytes of its operand (of its result for a gather or scatter), group
-    size, runs per call (as `executions` counts) and source line.
-
-    Example:
-        >>> c = WrittenCollective("collective-permute", ("stage",), 4096, 2, 7, False, "m.py:3")
-        >>> c.ring_bytes, str(c)
-        (4096.0, 'collective-permute over stage (written at m.py:3)')
-    """
-
-    kind: str
-    axes: tuple[str, ...]
-    local: int
-    group: int
-    runs: int
-    in_while: bool
-    line: str
-
-    @property
-    def ring_bytes(self) -> float:
-        """Bytes one device sends each time it runs (ring volumes, as `ring_bytes`)."""
-        return ring_bytes(self.kind, self.group, self.local)
-
-    def __str__(self) -> str:
-        return f"{self.kind} over {','.join(self.axes)} (written at {self.line})"
-
-
-def written_collectives(graph, dims, axis_sizes: Mapping[str, int]) -> list[WrittenCollective]:
+def written_collectives(graph, dims, axis_sizes: Mapping[str, int]) -> list[Collective]:
     """The collectives in the `shard_map` bodies of ``graph`` (top-level equations of each
     body), priced with the layouts ``dims`` gives the shard_map's operands: a body sees
     its operands whole along the axes it leaves automatic, so one device holds the body
@@ -213,7 +184,7 @@ def written_collectives(graph, dims, axis_sizes: Mapping[str, int]) -> list[Writ
 
     Example:
         >>> [str(c) for c in written_collectives(plan.graph, plan.dims, plan.axis_sizes)]  # doctest: +SKIP
-        ['collective-permute over stage (written at pipeline.py:90)']
+        ['collective-permute over stage of 4096 B, 7 runs (written at pipeline.py:90)']
     """
     count = loop_counter()
     out = []
@@ -236,11 +207,11 @@ def written_collectives(graph, dims, axis_sizes: Mapping[str, int]) -> list[Writ
             kind, param = found
             axes = eqn.params.get(param, ())
             axes = (axes,) if isinstance(axes, str) else tuple(axes)
-            var = (eqn.outvars if kind in ("all-gather", "reduce-scatter") else eqn.invars)[0]
+            var = (eqn.outvars if kind.sized_by_result else eqn.invars)[0]
             split = auto_shards[source[var]] if var in source else 1
             local = nbytes(var.aval.shape, var.aval.dtype) // split
             group = math.prod(axis_sizes.get(a, 1) for a in axes)
-            out.append(WrittenCollective(kind, axes, local, group, runs, in_while, b.line))
+            out.append(Collective(kind, frozenset(axes), local, group, runs, in_while, b.line))
     return out
 
 

@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 
 from jaxshard.annotate import Pin
 from jaxshard.cost import (
+    CollectiveKind,
     MemoryCurve,
     executions,
     has_reduce_scatter,
@@ -217,7 +218,7 @@ def _steps_cost(prop: Propagator, steps, runs: int) -> tuple[float, float]:
             total += step.ring_bytes * runs
         else:
             total += prop.cost_model.collective_time(step.axes, step.ring_bytes) * runs
-        if step.kind in ("all-gather", "all-to-all"):
+        if step.kind in (CollectiveKind.ALL_GATHER, CollectiveKind.ALL_TO_ALL):
             gathered += step.ring_bytes * runs
     return total, gathered
 

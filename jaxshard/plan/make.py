@@ -82,6 +82,7 @@ def plan_from_graph(
     hints: Mapping[str, PartitionSpec] | None = None,
     cost_model: CostModel | None = None,
     storage: Mapping[int, bool] | None = None,
+    chosen: Mapping[int, PartitionSpec] | None = None,
 ) -> Plan:
     """Propagate hints over an already built graph and decide what is left (no tracing):
     the planning half of `make_plan`, for callers that plan one graph several times.
@@ -93,12 +94,14 @@ def plan_from_graph(
     alone, the rest of the hint being the computation's layout; True: a storage layout
     as `split_storage` reads it; False: all on the computation); they are not tried
     (the search's hints name one leaf each: trying them would re-plan once per leaf).
+    ``chosen``: full specs for arguments by their index among the arguments (the
+    search's layouts, `hint_pins`), pinned beside the hints.
 
     Example:
         >>> plan = plan_from_graph(traced, graph, mesh, {"x": P("data")})  # doctest: +SKIP
     """
     sizes = mesh_axis_sizes(mesh)
-    pins = hint_pins(traced, graph, hints or {}, sizes)
+    pins = hint_pins(traced, graph, hints or {}, sizes, chosen)
     decided = storage or {}
     compute, storage = split_storage(pins, graph)
     for vid, apart in decided.items():

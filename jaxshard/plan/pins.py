@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
-from jaxshard.annotate import Pin, PinKind, match_hints, merge_pins
+from jaxshard.annotate import Pin, PinKind, exact_pin, match_hints, merge_pins
 from jaxshard.cost import (
     CostModel,
     xla_scope,
@@ -27,21 +27,34 @@ from jaxshard.propagate import (
 from jaxshard.rule import FactorKind
 from jaxshard.trace import Traced
 
+SEARCH_ORIGIN = "jaxshard search"  # how pins of the search's chosen layouts are named
+
 
 def hint_pins(
-    traced: Traced, graph: Graph, hints: Mapping[str, PartitionSpec], axis_sizes: Mapping[str, int]
+    traced: Traced,
+    graph: Graph,
+    hints: Mapping[str, PartitionSpec],
+    axis_sizes: Mapping[str, int],
+    chosen: Mapping[int, PartitionSpec] | None = None,
 ) -> dict[int, Pin]:
     """Per value id, what is pinned: the graph's own pins (`jaxshard.hint` and sharding
     constraints inside the function) merged with the ``hints`` matched on argument and
-    result paths; two pins of one dim that disagree are an error naming both.
+    result paths and the layouts the search ``chosen`` for arguments (by their index
+    among the arguments, no path matched); two pins of one dim that disagree are an
+    error naming both.
 
     Example:
         >>> pins = hint_pins(traced, graph, {"x": P("data")}, {"data": 2})  # doctest: +SKIP
     """
     names = list(traced.in_names) + list(traced.out_names)
     vids = list(graph.in_vids) + list(graph.out_vids)
+    shapes = [graph.shapes[v] for v in vids]
+    matched = match_hints(hints, names, shapes, axis_sizes)
+    for i, spec in (chosen or {}).items():
+        pin = exact_pin(spec, shapes[i], axis_sizes, names[i], SEARCH_ORIGIN)
+        matched[i] = merge_pins(matched[i], pin, names[i]) if i in matched else pin
     pins: dict[int, Pin] = dict(graph.pins)
-    for i, pin in match_hints(hints, names, [graph.shapes[v] for v in vids], axis_sizes).items():
+    for i, pin in matched.items():
         vid = vids[i]
         pins[vid] = merge_pins(pins[vid], pin, names[i]) if vid in pins else pin
     _stack_on_stages(graph, pins)

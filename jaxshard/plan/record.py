@@ -16,8 +16,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxshard.cost import (
+    Collective,
     PlannedCollective,
-    WrittenCollective,
     executions,
     has_reduce_scatter,
     in_while_loop,
@@ -156,9 +156,7 @@ class Plan(PlanMemory):
         self._reduce_scatter = has_reduce_scatter(mesh)
         self._analyze(prop)
         # the collectives the program writes itself (shard_map bodies), priced like reshards
-        self.written: list[WrittenCollective] = written_collectives(
-            graph, self.dims, self.axis_sizes
-        )
+        self.written: list[Collective] = written_collectives(graph, self.dims, self.axis_sizes)
         if out_dims is None:
             out_dims = [self.dims[v] for v in graph.out_vids]
             for i, o in graph.ties:  # the new value of an argument keeps its layout...

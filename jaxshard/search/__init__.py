@@ -89,7 +89,9 @@ def search_hints(
     it where a layout fits there (`HEADROOM`, for the heap packing XLA adds), else within
     the budget with a `JaxshardWarning`. Stops the
     solver after ``time_limit`` seconds of the whole search, returning the best layout
-    found (``optimal=False``) with a `JaxshardWarning` that says so. ``progress``
+    found (``optimal=False``) with a `JaxshardWarning` that says so; where the limit stops
+    it over the budget, the smallest-memory layout is searched for instead, for up to
+    ``max(time_limit, RESCUE_SECONDS)`` seconds more (5 s at least). ``progress``
     receives one line per stage and per improved solution; by default the lines go to
     stderr once the search has run for 5 s, so only long searches show them. A budget
     no layout meets raises `ShardingError` naming the smallest footprint found. With
@@ -135,12 +137,11 @@ def search_hints(
                 for i in problem.leaf_group
             }
 
-        def propagated(choice):
-            chosen = problem.hints_for(choice)
-            searched = {**hints, **chosen}
+        def propagated(choice):  # the chosen layouts go to propagation as pins
             plan = plan_from_graph(
-                traced, graph, mesh, searched, problem.cost_model, storage=storage(choice)
-            )
+                traced, graph, mesh, hints, problem.cost_model, storage=storage(choice),
+                chosen=problem.layouts_for(choice),
+            )  # fmt: skip
             memory = plan.estimated_memory
             tried.append((memory, plan, choice))
             return plan, memory
@@ -344,8 +345,8 @@ def _relaxed(problem, found: Settled, target, propagated, t0, time_limit, say) -
     return best
 
 
-# seconds the smallest-memory search may take past a time limit that stopped the solver
-# over its budget (a layout over its budget is never returned)
+# the least seconds the smallest-memory search may take past a time limit that stopped
+# the solver over its budget (a layout over its budget is never returned)
 RESCUE_SECONDS = 5.0
 
 
@@ -390,16 +391,17 @@ def _calibrated(problem, budget: float, settle, first: Settled, say, propagated)
             break
         problem.budget = _next_target([(c.memory.total, c.compiled) for c in checked], budget)
         found = settle(problem.budget, strict=False)
-        # the same hints (choices differing only in decisions no leaf shows plan alike),
-        # or an unproven layout the estimate already puts over the target: not compiled
-        hints = problem.hints_for(found.choice)
-        if any(hints == problem.hints_for(c.choice) for c in checked):
+        # the same layouts (choices differing only in decisions no leaf shows plan
+        # alike), or an unproven layout the estimate already puts over the target: not
+        # compiled
+        layouts = problem.layouts_for(found.choice)
+        if any(layouts == problem.layouts_for(c.choice) for c in checked):
             break
         if not found.optimal and found.memory.total > problem.budget:
             break
     fits = [c for c in checked if c.compiled <= budget]
     baseline = problem.baseline()
-    if not fits and not any(problem.hints_for(c.choice) == problem.hints_for(baseline)
+    if not fits and not any(problem.layouts_for(c.choice) == problem.layouts_for(baseline)
                             for c in checked):  # fmt: skip
         plan, memory = propagated(baseline)
         compiled = compiled_memory(Lowered(plan).lower().compile())

@@ -24,6 +24,7 @@ from jaxshard.plan import (
     dead_apps,
     mesh_axis_sizes,
 )
+from jaxshard.plan.pins import SEARCH_ORIGIN
 from jaxshard.search.decisions import (  # noqa: F401 (MEMORY_TIEBREAK, US, Extra, Scope, followers, group_key re-exported)
     MEMORY_TIEBREAK,
     US,
@@ -210,7 +211,17 @@ class Problem(DimClasses, Terms, MemoryModel):
         return t, b
 
     def hints_for(self, choice) -> dict[str, PartitionSpec]:
-        """Exact-path hints for every grouped argument leaf."""
+        """Exact-path hints for every grouped argument leaf: `layouts_for` as a hints
+        dict, which a user can read, save or pass to `auto_shard` again."""
+        return {
+            ExactPath(self.traced.in_names[i], SEARCH_ORIGIN): spec
+            for i, spec in self.layouts_for(choice).items()
+        }
+
+    def layouts_for(self, choice) -> dict[int, PartitionSpec]:
+        """Per grouped argument leaf (its index among the arguments), the full spec the
+        choice gives it: what the search hands to propagation (`plan_from_graph`'s
+        ``chosen``)."""
         out = {}
         for i in sorted(self.leaf_group):
             lay = self.leaf_layout(i, choice) or []
@@ -225,8 +236,7 @@ class Problem(DimClasses, Terms, MemoryModel):
                 for d, r in enumerate(refs):
                     if type(r) is Fixed and lay[d]:
                         entries[d] = PartitionSpec.UNCONSTRAINED
-            key = ExactPath(self.traced.in_names[i], "jaxshard search")
-            out[key] = PartitionSpec(*entries)
+            out[i] = PartitionSpec(*entries)
         return out
 
     def explain(self, choice, plan, memory, optimal, status, seconds) -> str:

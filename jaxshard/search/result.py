@@ -16,8 +16,6 @@ from jaxshard.plan import (
     Plan,
 )
 
-# Chosen hints carry this regex comment into the plan, so an origin reads
-
 
 @dataclass
 class SearchResult:

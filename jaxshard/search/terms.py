@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxshard.cost import (
+    CollectiveKind,
     executions,
     halo_collectives,
     pending_sums,
@@ -284,6 +285,6 @@ class Terms:
                     local = self._leaf_bytes(i) / (2 if i in self.tied else 1) / shards
                     if extra.scope is Scope.ALL:
                         local *= n_axis
-                    b = ring_bytes("all-gather", n_axis, local)
+                    b = ring_bytes(CollectiveKind.ALL_GATHER, n_axis, local)
                     term.bytes[n] += gathers * b
                     term.time[n] += gathers * US * self.cost_model.collective_time(extra.axes, b)
