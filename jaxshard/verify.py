@@ -26,9 +26,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from jaxshard.baseline import compiled_memory
-from jaxshard.cost import CollectiveKind, human_bytes, nbytes, shards
+from jaxshard.cost import Collective, CollectiveKind, human_bytes, nbytes, shards
 from jaxshard.hlo import (  # noqa: F401  (hlo_collectives and computation_runs: re-exported)
-    Collective,
     compiled_collectives,
     computation_runs,
     hlo_collectives,
@@ -184,9 +183,8 @@ def _match(
             want[c] = 0
         else:
             unpredicted.append(c)
-    rest = lambda c, n: Collective(c.kind, c.axes, c.bytes, c.group, n)  # noqa: E731
-    missing += [rest(c, n) for c, n in want.items() if n > 0]
-    unpredicted += [rest(c, n) for c, n in have.items() if n > 0]
+    missing += [replace(c, runs=n) for c, n in want.items() if n > 0]
+    unpredicted += [replace(c, runs=n) for c, n in have.items() if n > 0]
     return unpredicted, missing
 
 

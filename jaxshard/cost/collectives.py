@@ -138,7 +138,6 @@ class Collective:
 
     def __post_init__(self) -> None:  # typed here: a kind may come by its HLO name
         object.__setattr__(self, "kind", CollectiveKind(self.kind))
-        object.__setattr__(self, "axes", frozenset(self.axes))
 
     @property
     def ring_bytes(self) -> float:
