@@ -293,3 +293,23 @@ def test_a_contraction_result_moved_by_an_all_to_all_is_computed_as_planned(mesh
     assert moved and all(r.vid in plan.graph.apps[r.app].results for r in moved)
     result = plan.verify()
     assert result.ok, result.surprises
+
+
+def test_an_unhinted_weight_is_stored_as_its_use_settles_it(mesh):
+    # the activations' feature split (MaxText's activation_embed) reaches the unhinted
+    # input weight through the contraction one round before the hidden's constraint
+    # reaches the contraction's other side, which then wins the axis for the hidden.
+    # The weight waits for its use to settle: it is stored column-parallel, as used,
+    # not split over the contraction and rearranged by an all-to-all in every step
+    def loss(params, x):
+        x = jaxshard.hint(x, P("data", None, "model"))
+        h = jaxshard.hint(jnp.tanh(x @ params["wi"]), P("data", None, "model"))
+        y = jaxshard.hint(h @ params["wo"], P("data", None, "model"))
+        return jnp.sum(y * y)
+
+    params = _f32(wi=(64, 256), wo=(256, 64))
+    x = jax.ShapeDtypeStruct((8, 32, 64), jnp.float32)
+    plan = make_plan(loss, (params, x), {}, mesh, {"x": P("data")})
+    assert plan.in_specs[0] == {"wi": P(None, "model"), "wo": P("model")}
+    weights = set(plan.graph.in_vids[:2])
+    assert not [r.collectives for r in plan.reshards if r.vid in weights]

@@ -78,6 +78,9 @@ class Propagator(Projection, ConflictPolicy):
         self._is_link = bytearray(app.kind is AppKind.LINK for app in graph.apps)
         self._links = [a for a, app in enumerate(graph.apps) if app.kind is AppKind.LINK]
         self._fed = bytearray(len(graph.shapes))  # see `_feed`
+        self._waits = bytearray(len(graph.shapes))  # see `_feed`
+        self._waiting: set[int] = set()  # applications that proposed into them (`run`)
+        self._draining = False
         self._fed_for: tuple[int, int] | None = None
         self._journal: list | None = None  # while `trying`: (value, dim, old axes, old origin)
         self._queue: deque[int] = deque()
@@ -109,6 +112,8 @@ class Propagator(Projection, ConflictPolicy):
         other._queued = bytearray(self._queued)
         other._deferred = {k: list(v) for k, v in self._deferred.items()}
         other._fed = bytearray(self._fed)
+        other._waits = bytearray(self._waits)
+        other._waiting = set(self._waiting)
         other._journal = None  # a fork made inside `trying` writes into its own state only
         return other
 
@@ -137,6 +142,7 @@ class Propagator(Projection, ConflictPolicy):
             self.state.conflicts, self.hinted, self.state.visits = conflicts, hinted, visits
             self._queue.clear()
             self._deferred = {}
+            self._waiting = set()
             self._queued = bytearray(len(self._queued))
 
     def pin(self, vid: int, pin: Pin, rank: int = HINT_RANK) -> None:
@@ -194,15 +200,35 @@ class Propagator(Projection, ConflictPolicy):
         from the hint, comes first. The other way round, an activation's layout reaching
         the weight through a contraction would take the axis the weight's hint gives
         another of its dims, and the weight would be rearranged at every iteration.
+
+        An argument no hint pins (and what passes it unchanged into the computation: a
+        transpose, a loop's slice of it) waits too, for its uses to settle: once nothing
+        else moves, the applications that proposed into it are visited again and it
+        takes the layout they settled on. Taken as first proposed, an unhinted weight
+        would follow the activation that reached its contraction first (its features
+        split), one round before the result's own layout reached the other side and won
+        the axis; the weight would then be rearranged in every step.
         """
         bound = self._bound
         visits = 0
         queued, visit = self._queued, self._visit
         self._feed()
-        while self._queue or self._deferred:
-            if not self._queue:
+        while self._queue or self._deferred or self._waiting:
+            if not self._queue and self._deferred:
                 deferred, self._deferred = self._deferred, {}
                 self._apply(deferred)
+                continue
+            if not self._queue:  # the unhinted arguments' uses have settled
+                waiting, self._waiting = sorted(self._waiting), set()
+                proposals = {}
+                self._draining = True
+                try:
+                    for a in waiting:
+                        visit(a, proposals)
+                finally:
+                    self._draining = False
+                visits += len(waiting)
+                self._apply(proposals)
                 continue
             batch = list(self._queue)
             self._queue.clear()
@@ -221,7 +247,9 @@ class Propagator(Projection, ConflictPolicy):
     def _feed(self) -> None:
         """Mark the values a loop or call passes in from a hinted argument (through
         layout-preserving equations: a transpose, a type conversion): what reaches them
-        from inside the loop waits (`run`) until the argument's layout has come in."""
+        from inside the loop waits (`run`) until the argument's layout has come in. And
+        mark the unhinted arguments and the values that pass them on unchanged (the same
+        equations, a loop's slice): what reaches them waits for their uses to settle."""
         key = (id(self.hinted), len(self.hinted))
         if self._fed_for == key:  # hints are added, never removed, but by `trying`'s undo
             return
@@ -242,6 +270,20 @@ class Propagator(Projection, ConflictPolicy):
             if v in self.hinted:
                 for r in app.results:
                     fed[r] = 1
+        waits = self._waits = bytearray(len(self.graph.shapes))
+        todo = [v for v in self.graph.in_vids if v not in self.hinted]
+        while todo:
+            v = todo.pop()
+            if waits[v]:
+                continue
+            waits[v] = 1
+            for b in self.uses[v]:
+                app = apps[b]
+                passes = self._is_link[b] or (
+                    len(app.operands) == 1 and all(f.plain for f in app.rule.factors)
+                )
+                if passes and app.operands[0] == v:
+                    todo.extend(r for r in app.results if r not in self.hinted)
 
     def _apply(self, proposals: dict[tuple[int, int], list[Proposal]]) -> None:
         """Write a round's proposals. A value that changed queues its applications again,
@@ -304,7 +346,7 @@ class Propagator(Projection, ConflictPolicy):
         quiet = not conflict and not compound  # see `_apply`
         vids = self._vids[a]
         dims = self.state.dims
-        deferred, fed, is_link = self._deferred, self._fed, self._is_link
+        deferred, fed, is_link, waits = self._deferred, self._fed, self._is_link, self._waits
         for t, d, fl, sizes in writable:
             vid = vids[t]
             if dims[vid][d] is not None:
@@ -316,6 +358,9 @@ class Propagator(Projection, ConflictPolicy):
             if new is None:
                 continue
             src, src_dim = sources.get(fl[0], (-1, -1))
+            if waits[vid] and not self._draining:
+                self._waiting.add(a)  # visited again once the queue is empty
+                continue
             key = (vid, d)
             into = deferred if new and fed[vid] and not is_link[a] else proposals
             found = into.get(key)
