@@ -716,3 +716,25 @@ def test_an_axis_the_program_gives_a_weight_on_two_dims_is_hinted_once(mesh):
     assert "model" in axes, spec
     step = jaxshard.auto_shard(mesh, {"x": P("data"), **result.hints})(sgd)
     np.testing.assert_allclose(step(w, x), jax.jit(sgd)(w, x), rtol=1e-5, atol=1e-7)
+
+
+def _routed(w, x):
+    """A router as MaxText's MoE writes it: the top-k weights scattered into a (batch,
+    experts) table by row and expert indices; the row index is laid out with the batch."""
+    logits = x @ w
+    top, idx = jax.lax.top_k(logits, 2)
+    rows = jaxshard.hint(jnp.arange(x.shape[0])[:, None], P("data", None))
+    table = jnp.zeros_like(logits).at[rows, idx].set(jax.nn.softmax(top))
+    return jnp.sum(table * logits)
+
+
+def test_a_clash_the_hints_force_is_no_choices_fault(mesh):
+    # the scatter's rows are split by the batch's hint both in the table and in its
+    # indices, whatever the search chooses for the experts' dim: that clash used to
+    # rule out every choice of the router weight's layout (an infeasible model, and a
+    # crash without a budget); now it is priced as the rules see it
+    w, x = jnp.ones((16, 8)) / 16, jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) / 100
+    result = search_hints(_routed, (w, x), {}, mesh, {"x": P("data")}, time_limit=10)
+    assert result.plan is not None
+    step = jaxshard.auto_shard(mesh, {"x": P("data")}, search=True)(_routed)
+    np.testing.assert_allclose(step(w, x), jax.jit(_routed)(w, x), rtol=1e-5)

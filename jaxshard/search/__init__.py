@@ -160,6 +160,9 @@ def search_hints(
                     for smallest in [*e.choices, problem.baseline()]:
                         propagated(smallest)
                     memory, plan, choice = min(tried, key=lambda t: t[0].total)
+                    if target is None:  # no budget: the model's constraints admit nothing
+                        status = "the model admitted no layout: the smallest-memory one tried"
+                        return Settled(plan, memory, choice, False, status)
                     if strict and memory.total > target:
                         raise_over_budget(problem, memory_budget, memory, plan)
                     status = "the smallest-memory layout: the model put every layout over budget"

@@ -136,21 +136,27 @@ class Terms:
                 self.constant_bytes += count * b
                 continue
             term = self._term(free)
+            # a clash the hints make with nothing chosen is no choice's fault
+            forced = self._app_cost(app, refs, dict.fromkeys(term.decisions, 0), cut) is None
             for n, choice in self._combos(term):
-                cost = self._app_cost(app, refs, choice, cut)
+                cost = self._app_cost(app, refs, choice, cut, forced)
                 if cost is None:
                     term.allowed[n] = False
                     continue
                 term.time[n] += count * cost[0]
                 term.bytes[n] += count * cost[1]
 
-    def _app_cost(self, app, refs, choice, cut=frozenset()) -> tuple[float, float] | None:
+    def _app_cost(
+        self, app, refs, choice, cut=frozenset(), forced: bool = False
+    ) -> tuple[float, float] | None:
         """(µs, bytes) of the collectives an application needs under a choice; None when
         the choice shards a need-replication factor on an axis another factor of the
         equation uses (a sharded table row
         gathered by indices sharded the same way: XLA exchanges the whole result for it,
-        which the rules do not predict). A dim ``cut`` from its factor (`_classes`) is
-        moved: an operand to the factor's layout before, a result from it after."""
+        which the rules do not predict), unless ``forced`` (the hints make that clash
+        under every choice: it is priced as the rules see it). A dim ``cut`` from its
+        factor (`_classes`) is moved: an operand to the factor's layout before, a result
+        from it after."""
         g, rule = self.graph, app.rule
         vids = (*app.operands, *app.results)
         layouts = []
@@ -186,7 +192,7 @@ class Terms:
                 a in other for h, other in factor_axes.items() if h != f for a in axes
             ):
                 decided = any(decision_of(r) is not None for rs in refs for r in rs)
-                if decided:
+                if decided and not forced:
                     return None
         partial = pending_sums(rule, factor_axes)
         need = {f for f, axes in factor_axes.items()
