@@ -271,19 +271,21 @@ def test_an_axis_only_activations_use_stays_on_a_weights_computation(mesh):
     assert plan.out_specs == {"emb": P("data", "model"), "head": P("data", "model")}
 
 
-def test_a_contraction_result_moved_by_an_all_to_all_is_computed_as_planned(mesh):
-    # activations split over their features on "model" between the matmuls (MaxText's
-    # activation_embed) and the hidden over its own (activation_mlp): the input weight's
-    # gradient is computed with the hidden's split and moved to the input's by an
-    # all-to-all. Left to itself, XLA computed it in the final layout instead, gathering
-    # the hidden's gradient (8x the bytes); the lowering pins the working layout first
-    def loss(params, x):
-        x = jaxshard.hint(x, P("data", None, "model"))
-        h = jaxshard.hint(jnp.tanh(x @ params["wi"]), P("data", None, "model"))
-        y = jaxshard.hint(h @ params["wo"], P("data", None, "model"))
-        return jnp.sum(y * y)
+def _split_features_mlp(params, x):
+    """An MLP whose activations are split over their features on "model" between the
+    matmuls (MaxText's activation_embed) and the hidden over its own (activation_mlp)."""
+    x = jaxshard.hint(x, P("data", None, "model"))
+    h = jaxshard.hint(jnp.tanh(x @ params["wi"]), P("data", None, "model"))
+    y = jaxshard.hint(h @ params["wo"], P("data", None, "model"))
+    return jnp.sum(y * y)
 
-    train = _sgd(loss)
+
+def test_a_contraction_result_moved_by_an_all_to_all_is_computed_as_planned(mesh):
+    # the input weight's gradient is computed with the hidden's split and moved to the
+    # input's by an all-to-all. Left to itself, XLA computed it in the final layout
+    # instead, gathering the hidden's gradient (8x the bytes); the lowering pins the
+    # working layout first
+    train = _sgd(_split_features_mlp)
 
     params = _f32(wi=(64, 256), wo=(256, 64))
     x = jax.ShapeDtypeStruct((8, 32, 64), jnp.float32)
@@ -301,15 +303,9 @@ def test_an_unhinted_weight_is_stored_as_its_use_settles_it(mesh):
     # reaches the contraction's other side, which then wins the axis for the hidden.
     # The weight waits for its use to settle: it is stored column-parallel, as used,
     # not split over the contraction and rearranged by an all-to-all in every step
-    def loss(params, x):
-        x = jaxshard.hint(x, P("data", None, "model"))
-        h = jaxshard.hint(jnp.tanh(x @ params["wi"]), P("data", None, "model"))
-        y = jaxshard.hint(h @ params["wo"], P("data", None, "model"))
-        return jnp.sum(y * y)
-
     params = _f32(wi=(64, 256), wo=(256, 64))
     x = jax.ShapeDtypeStruct((8, 32, 64), jnp.float32)
-    plan = make_plan(loss, (params, x), {}, mesh, {"x": P("data")})
+    plan = make_plan(_split_features_mlp, (params, x), {}, mesh, {"x": P("data")})
     assert plan.in_specs[0] == {"wi": P(None, "model"), "wo": P("model")}
     weights = set(plan.graph.in_vids[:2])
     assert not [r.collectives for r in plan.reshards if r.vid in weights]
