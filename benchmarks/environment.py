@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import importlib.util
 import os
 import platform
 import subprocess
@@ -41,6 +42,19 @@ def environment() -> str:
     )
 
 
+def require(module: str, why: str) -> None:
+    """Stop before any work when an optional dependency of a benchmark is missing: found
+    missing at the end, it would cost the whole run's results.
+
+    Example:
+        >>> require("numpy", "tables")
+    """
+    if importlib.util.find_spec(module) is None:
+        raise SystemExit(
+            f'{module} is needed for {why}: pip install -e ".[bench]" (the benchmarks\' extra)'
+        )
+
+
 def load_now() -> str:
     """The load average as a sentence, for the end of a run.
 
@@ -56,7 +70,7 @@ def write_result(name: str, text: str, quick: bool) -> None:
     """Write ``results/[quick/]<name>.md`` and print it.
 
     Example:
-        >>> write_result("scale", "# Real sizes\n", quick=True)  # doctest: +SKIP
+        >>> write_result("scale", "# Real sizes", quick=True)  # doctest: +SKIP
     """
     out = os.path.join(HERE, "results", "quick" if quick else "")
     os.makedirs(out, exist_ok=True)

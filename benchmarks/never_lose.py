@@ -33,7 +33,7 @@ import jaxshard
 from jaxshard.baseline import CompiledCost, compiled_cost, shardy_alone
 
 from . import layouts, quality
-from .environment import environment, load_now
+from .environment import environment, load_now, require
 from .layouts import BATCH, reference_hints
 from .workloads import Workload, meshes, models, quality_workloads
 
@@ -188,6 +188,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the examples' tiny models")
     args = parser.parse_args()
+    require("matplotlib", "the never-lose pictures")
     folder = os.path.join(HERE, "results", "quick" if args.quick else "")
     os.makedirs(folder, exist_ok=True)
     t0 = time.perf_counter()
