@@ -735,6 +735,6 @@ def test_a_clash_the_hints_force_is_no_choices_fault(mesh):
     # crash without a budget); now it is priced as the rules see it
     w, x = jnp.ones((16, 8)) / 16, jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) / 100
     result = search_hints(_routed, (w, x), {}, mesh, {"x": P("data")}, time_limit=10)
-    assert result.plan is not None
+    assert result.optimal, result.explanation  # the model admits a layout and solves
     step = jaxshard.auto_shard(mesh, {"x": P("data")}, search=True)(_routed)
     np.testing.assert_allclose(step(w, x), jax.jit(_routed)(w, x), rtol=1e-5)

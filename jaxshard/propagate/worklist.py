@@ -80,7 +80,6 @@ class Propagator(Projection, ConflictPolicy):
         self._fed = bytearray(len(graph.shapes))  # see `_feed`
         self._waits = bytearray(len(graph.shapes))  # see `_feed`
         self._waiting: set[int] = set()  # applications that proposed into them (`run`)
-        self._draining = False
         self._fed_for: tuple[int, int] | None = None
         self._journal: list | None = None  # while `trying`: (value, dim, old axes, old origin)
         self._queue: deque[int] = deque()
@@ -221,12 +220,8 @@ class Propagator(Projection, ConflictPolicy):
             if not self._queue:  # the unhinted arguments' uses have settled
                 waiting, self._waiting = sorted(self._waiting), set()
                 proposals = {}
-                self._draining = True
-                try:
-                    for a in waiting:
-                        visit(a, proposals)
-                finally:
-                    self._draining = False
+                for a in waiting:
+                    visit(a, proposals, True)
                 visits += len(waiting)
                 self._apply(proposals)
                 continue
@@ -336,7 +331,11 @@ class Propagator(Projection, ConflictPolicy):
             rank=DEFAULT_RANK if root is None else root.rank,
         )
 
-    def _visit(self, a: int, proposals: dict[tuple[int, int], list[Proposal]]) -> None:
+    def _visit(
+        self, a: int, proposals: dict[tuple[int, int], list[Proposal]], settled: bool = False
+    ) -> None:
+        """Propose each factor's merged sharding to the open dims of application ``a``;
+        into a waiting argument (`_feed`) only once its uses have ``settled`` (`run`)."""
         values, sources, conflict = self._gather(a)
         if conflict:
             values, sources = self._factor_values_with_conflicts(a)
@@ -358,7 +357,7 @@ class Propagator(Projection, ConflictPolicy):
             if new is None:
                 continue
             src, src_dim = sources.get(fl[0], (-1, -1))
-            if waits[vid] and not self._draining:
+            if waits[vid] and not settled:
                 self._waiting.add(a)  # visited again once the queue is empty
                 continue
             key = (vid, d)
