@@ -131,12 +131,12 @@ def predicted_collectives(plan) -> list[Collective]:
     for r in plan.reshards:
         total = nbytes(g.shapes[r.vid], g.dtypes[r.vid])
         before, after = total // shards(r.src, sizes), total // shards(r.dst, sizes)
-        for kind, names, ring in r.steps:
-            axes = frozenset(names)
+        for step in r.steps:
+            kind, axes = step.kind, step.axes
             # as compiled_collectives counts them: the result of a gather or scatter
             local = after if kind.sized_by_result else before
             if kind == CollectiveKind.PERMUTE:  # a halo: the rows it sends
-                local = int(ring)
+                local = int(step.bytes)
             group = math.prod(sizes[a] for a in axes)
             out.append(Collective(kind, axes, local, group, None if r.in_while else r.runs))
     # a while loop's trip count is not known when planning

@@ -176,7 +176,7 @@ def test_rows_and_columns_split_two_ways_exchange_corners_and_sum_kernels_once(m
     )
     plan = step.plan(*args)
     halos = sorted(
-        (s.axes, int(s.ring_bytes))
+        (s.order, int(s.ring_bytes))
         for r in plan.reshards
         for s in r.steps
         if s.kind == "collective-permute"

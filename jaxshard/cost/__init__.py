@@ -16,7 +16,6 @@ The package holds one idea per module and this file only re-exports: `sizes`,
 from jaxshard.cost.collectives import (  # noqa: F401
     Collective,
     PartialSum,
-    PlannedCollective,
     _order_changed,
     _platform,
     _step_collectives,

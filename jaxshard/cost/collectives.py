@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from jax.sharding import AbstractMesh
 
@@ -93,61 +92,62 @@ def partial_groups(partial: frozenset[str]) -> tuple[tuple[str, ...], ...]:
     return (tuple(sorted(partial)),) if partial else ()
 
 
-class PlannedCollective(NamedTuple):
-    """One collective a reshard calls for: its kind, the mesh axes it runs over, and the
-    bytes one device sends (ring volumes). Prints as the plan's explanation shows it.
-
-    Example:
-        >>> print(PlannedCollective("all-gather", ("data", "model"), 768.0))
-        all-gather over data,model
-    """
-
-    kind: CollectiveKind
-    axes: tuple[str, ...]
-    ring_bytes: float  # what one device sends (ring volume), not a buffer's size
-
-    def __str__(self) -> str:
-        return f"{self.kind} over {','.join(self.axes)}"
-
-
 @dataclass(frozen=True)
 class Collective:
-    """One collective a program runs: as `jaxshard.hlo.compiled_collectives` reads a
-    compiled program, as a plan writes it inside `shard_map` (`written_collectives`), and
-    as `jaxshard.verify` matches the two. ``bytes`` is one device's buffer of it: its
-    operand's, its result's where the kind is `CollectiveKind.sized_by_result` (an
-    all-gather's whole result, a reduce-scatter's slice); `ring_bytes` is what one device
-    sends per run. Matching compares kind, axes and bytes; the rest rides along:
-    ``group`` (devices per replica group), ``runs`` per call (None: inside a compiled loop
-    whose trip count is unknown), ``in_while`` (planned inside a while loop, whose body
-    ``runs`` counts once) and ``line`` (the source line that writes it).
+    """One collective: as a plan calls for it (`reshard_collectives`, `halo_collectives`),
+    as `jaxshard.hlo.compiled_collectives` reads a compiled program, as a plan writes it
+    inside `shard_map` (`written_collectives`), and as `jaxshard.verify` matches them.
+
+    ``bytes`` is one device's buffer of it: its operand's, its result's where the kind is
+    `CollectiveKind.sized_by_result` (an all-gather's whole result, a reduce-scatter's
+    slice), the rows a collective-permute sends; `ring_bytes` is what one device sends
+    per run (ring volume), the unit every cost is in. Matching compares kind, axes and
+    bytes; the rest rides along: ``group`` (devices per replica group), ``runs`` per call
+    (None: inside a compiled loop whose trip count is unknown), ``in_while`` (planned
+    inside a while loop, whose body ``runs`` counts once), ``line`` (the source line
+    that writes it), ``order`` (the mesh axes in the order a plan runs it over; sorted
+    when not given) and ``priced_as`` (the kind a backend runs it as: a reduce-scatter
+    all-reduced where there is none, `has_reduce_scatter`).
 
     Example:
         >>> c = Collective("all-gather", frozenset({"model"}), 1024, group=4, runs=2)
-        >>> str(c), c.ring_bytes
-        ('all-gather over model of 1024 B, 2 runs', 768.0)
+        >>> str(c), c.ring_bytes, c.over
+        ('all-gather over model of 1024 B, 2 runs', 768.0, 'all-gather over model')
     """
 
     kind: CollectiveKind
     axes: frozenset[str]
-    bytes: int
+    bytes: float
     group: int = field(default=0, compare=False)
     runs: int | None = field(default=1, compare=False)
     in_while: bool = field(default=False, compare=False)
     line: str = field(default="", compare=False)
+    order: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    priced_as: CollectiveKind | None = field(default=None, compare=False, repr=False)
+    # what one device sends per run with ring algorithms (the cost model's volumes):
+    # all-reduce 2(n-1)/n·S, all-gather and all-to-all (n-1)/n·S, reduce-scatter (n-1)·S
+    # (S its scattered result), collective-permute S; 0 for a group of one
+    ring_bytes: float = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:  # typed here: a kind may come by its HLO name
-        object.__setattr__(self, "kind", CollectiveKind(self.kind))
+        kind = self.kind
+        if type(kind) is not CollectiveKind:
+            kind = CollectiveKind(kind)
+            object.__setattr__(self, "kind", kind)
+        if not self.order:
+            object.__setattr__(self, "order", tuple(sorted(self.axes)))
+        n, s = self.group, self.bytes
+        if n <= 1 and kind != CollectiveKind.PERMUTE:
+            ring = 0.0
+        else:
+            size = n * s if kind == CollectiveKind.REDUCE_SCATTER else s
+            ring = ring_bytes(self.priced_as or kind, n, size)
+        object.__setattr__(self, "ring_bytes", ring)
 
     @property
-    def ring_bytes(self) -> float:
-        """Bytes one device sends per run with ring algorithms (the cost model's volumes):
-        all-reduce 2(n-1)/n·S, all-gather and all-to-all (n-1)/n·S, reduce-scatter (n-1)·S
-        (S its scattered result), collective-permute S; 0 for a group of one."""
-        n, s = self.group, self.bytes
-        if n <= 1 and self.kind != CollectiveKind.PERMUTE:
-            return 0.0
-        return ring_bytes(self.kind, n, n * s if self.kind == CollectiveKind.REDUCE_SCATTER else s)
+    def over(self) -> str:
+        """The kind and its mesh axes, as a plan's explanation shows it."""
+        return f"{self.kind} over {','.join(self.order)}"
 
     def __str__(self) -> str:
         runs = (
@@ -156,10 +156,29 @@ class Collective:
             else (f", {self.runs} runs" if self.runs != 1 else "")
         )
         written = f" (written at {self.line})" if self.line else ""
-        return (
-            f"{self.kind} over {','.join(sorted(self.axes)) or '?'} of {self.bytes} B{runs}"
-            + written
-        )
+        size = int(self.bytes) if float(self.bytes).is_integer() else self.bytes
+        return f"{self.kind} over {','.join(sorted(self.axes)) or '?'} of {size} B{runs}{written}"
+
+
+def planned(
+    kind: CollectiveKind,
+    axes: Sequence[str],
+    local: float,
+    axis_sizes: Mapping[str, int],
+    priced_as: CollectiveKind | None = None,
+) -> Collective:
+    """The `Collective` a plan calls for over mesh ``axes`` (in that order), with
+    ``local`` the buffer `jaxshard.cost.sizes.ring_bytes` prices: the all-reduced one, the
+    all-gathered result, the reduce-scattered input, the all-to-all buffer, the rows a
+    permute sends.
+
+    Example:
+        >>> planned(CollectiveKind.REDUCE_SCATTER, ("model",), 1024.0, {"model": 4}).bytes
+        256.0
+    """
+    n = math.prod(axis_sizes[a] for a in axes)
+    size = local / n if kind == CollectiveKind.REDUCE_SCATTER else local
+    return Collective(kind, frozenset(axes), size, n, order=tuple(axes), priced_as=priced_as)
 
 
 def unhaloed(rule, values, axis_sizes) -> set[int]:
@@ -184,7 +203,7 @@ def unhaloed(rule, values, axis_sizes) -> set[int]:
 
 def halo_collectives(
     rule, values, graph, vids, layouts, axis_sizes
-) -> list[tuple[int, PlannedCollective]]:
+) -> list[tuple[int, Collective]]:
     """The collective-permutes of an equation's halo exchanges (Shardy's permutation
     factors, GSPMD's windowed ops): for each windowed factor of ``rule`` split over mesh
     axes in ``values`` (factor -> axes), one per direction whose neighbour rows the
@@ -196,7 +215,7 @@ def halo_collectives(
         >>> # a 3x3 'SAME' convolution of x[1, 64, 64, 4] with its rows split 8 ways: one
         >>> # row of 64 x 4 floats from each neighbour, 1 KiB each way
         >>> halo_collectives(rule, {1: ("x",)}, graph, vids, layouts, {"x": 8})  # doctest: +SKIP
-        [(0, PlannedCollective(kind='collective-permute', axes=('x',), ring_bytes=1024.0)), ...]
+        [(0, Collective(kind='collective-permute', axes=frozenset({'x'}), bytes=1024.0, group=8, ...)), ...]
     """
     out = []
     grown: dict[int, list[int]] = {}  # per operand: its shard with the halos fetched so far
@@ -219,7 +238,7 @@ def halo_collectives(
         )
         section = math.prod(n for d, n in enumerate(local) if d != dim)
         section *= itemsize(graph.dtypes[vid])
-        out += [(vid, PlannedCollective(CollectiveKind.PERMUTE, axes, float(r * section)))
+        out += [(vid, planned(CollectiveKind.PERMUTE, axes, float(r * section), axis_sizes))
                 for r in rows]  # fmt: skip
         if not window.reverse:
             local[dim] += sum(rows)
@@ -250,7 +269,7 @@ def reshard_cost(
         (384.0, ['reduce-scatter over model'])
     """
     steps = reshard_collectives(shape, dtype, src, dst, axis_sizes, partial)
-    return sum(s.ring_bytes for s in steps) + 0.0, [str(s) for s in steps]
+    return sum(s.ring_bytes for s in steps) + 0.0, [s.over for s in steps]
 
 
 def reshard_collectives(
@@ -261,7 +280,7 @@ def reshard_collectives(
     axis_sizes: Mapping[str, int],
     partial: frozenset[str] = frozenset(),
     reduce_scatter: bool = True,
-) -> list[PlannedCollective]:
+) -> list[Collective]:
     """The collectives of `reshard_cost` one by one: ``(kind, mesh axes, bytes per device)``,
     so a `CostModel` can price each on its own axes. Without ``reduce_scatter`` (a backend
     that has none, see `has_reduce_scatter`) a reduce-scatter moves what an all-reduce of
@@ -270,10 +289,10 @@ def reshard_collectives(
     Example:
         >>> import numpy as np
         >>> sizes = {"data": 2, "model": 4}
-        >>> reshard_collectives((8, 16), np.float32, [("data",), ()], [(), ()], sizes,
-        ...                     frozenset({"model"}))
-        [PlannedCollective(kind='all-reduce', axes=('model',), ring_bytes=384.0),
-         PlannedCollective(kind='all-gather', axes=('data',), ring_bytes=256.0)]
+        >>> steps = reshard_collectives((8, 16), np.float32, [("data",), ()], [(), ()], sizes,
+        ...                             frozenset({"model"}))
+        >>> [(s.over, s.ring_bytes) for s in steps]
+        [('all-reduce over model', 384.0), ('all-gather over data', 256.0)]
     """
     # an axis of size 1 moves nothing: XLA emits no collective over it
     src = [tuple(a for a in d or () if axis_sizes[a] > 1) for d in src]
@@ -296,11 +315,10 @@ def _step_collectives(shape, dtype, src, dst, axis_sizes, partial, reduce_scatte
     where_dst = {a: i for i, d in enumerate(dst) for a in d}
     local_dst = total / shards(dst, axis_sizes)
     local_src = total / shards(src, axis_sizes)
-    out: list[PlannedCollective] = []
+    out: list[Collective] = []
 
     def add(kind: CollectiveKind, axes, local: float, priced_as: CollectiveKind | None = None):
-        n = math.prod(axis_sizes[a] for a in axes)
-        out.append(PlannedCollective(kind, tuple(axes), ring_bytes(priced_as or kind, n, local)))
+        out.append(planned(kind, axes, local, axis_sizes, priced_as))
 
     scattered = sorted(a for a in partial if a in where_dst)
     reduced = sorted(a for a in partial if a not in where_dst)

@@ -17,7 +17,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxshard.cost import (
     Collective,
-    PlannedCollective,
     executions,
     has_reduce_scatter,
     in_while_loop,
@@ -66,7 +65,7 @@ class Reshard:
     dst: tuple[DimSharding, ...]
     partial: frozenset[str]
     ring_bytes: float
-    steps: tuple[PlannedCollective, ...]
+    steps: tuple[Collective, ...]
     where: str
     runs: int = 1
     in_while: bool = False
@@ -74,7 +73,7 @@ class Reshard:
     @property
     def collectives(self) -> tuple[str, ...]:
         """The collectives as text: ``('all-gather over data',)``."""
-        return tuple(str(s) for s in self.steps)
+        return tuple(s.over for s in self.steps)
 
     @property
     def call_bytes(self) -> float:

@@ -7,7 +7,7 @@ why, recorded for `explain()`.
 from __future__ import annotations
 
 from jaxshard.cost import (
-    PlannedCollective,
+    Collective,
     halo_collectives,
     pending_sums,
     reshard_collectives,
@@ -282,7 +282,7 @@ class ConflictPolicy:
         steps = reshard_collectives(shape, dtype, src, dst, sizes, partial)
         return sum(self._step_price(s) for s in steps) + 0.0
 
-    def _step_price(self, step: PlannedCollective) -> float:
+    def _step_price(self, step: Collective) -> float:
         if self.cost_model is None:
             return step.ring_bytes
         return self.cost_model.collective_time(step.axes, step.ring_bytes)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from jaxshard.cost import (
-    PlannedCollective,
+    Collective,
     halo_collectives,
     pending_sums,
     unhaloed,
@@ -160,7 +160,7 @@ class Projection:
                 values[f] = ()
         return values
 
-    def halos(self, a: int) -> list[tuple[int, PlannedCollective]]:
+    def halos(self, a: int) -> list[tuple[int, Collective]]:
         """The halo exchanges of application ``a`` of a finished propagation: per
         windowed factor it works split, one collective-permute per direction of the
         operand read through the window (``(value, collective)``), sending that many

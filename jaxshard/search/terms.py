@@ -227,7 +227,7 @@ class Terms:
             flops = 2 * math.prod(f.size for f in rule.factors)
             split = math.prod(self.sizes[a] for axes in factor_axes.values() for a in axes)
             seconds += flops / split / self.cost_model.flops
-        return seconds * US, sum(b for _, _, b in steps)
+        return seconds * US, sum(s.ring_bytes for s in steps)
 
     def _uses(self, v: int) -> list[int]:
         """Equations that read argument ``v`` in its compute layout (not the optimizer's
