@@ -132,13 +132,13 @@ def predicted_collectives(plan) -> list[Collective]:
         total = nbytes(g.shapes[r.vid], g.dtypes[r.vid])
         before, after = total // shards(r.src, sizes), total // shards(r.dst, sizes)
         for step in r.steps:
-            kind, axes = step.kind, step.axes
+            kind = step.kind
             # as compiled_collectives counts them: the result of a gather or scatter
             local = after if kind.sized_by_result else before
             if kind == CollectiveKind.PERMUTE:  # a halo: the rows it sends
                 local = int(step.bytes)
-            group = math.prod(sizes[a] for a in axes)
-            out.append(Collective(kind, axes, local, group, None if r.in_while else r.runs))
+            runs = None if r.in_while else r.runs
+            out.append(Collective(kind, step.axes, local, step.group, runs))
     # a while loop's trip count is not known when planning
     out += [replace(c, runs=None) if c.in_while else c for c in plan.written]
     return out

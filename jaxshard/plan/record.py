@@ -53,9 +53,8 @@ from jaxshard.trace import Traced
 class Reshard:
     """A predicted reshard: at application ``app``, value ``vid`` moves ``src``->``dst``
     (after summing pending ``partial`` reductions) by the collectives ``steps`` (a halo
-    exchange keeps the layout: ``src == dst``, one collective-permute), sending
-    ``ring_bytes`` per device (ring volume) each time
-    the equation runs: ``runs`` times per call (the lengths of the scans around it). In a
+    exchange keeps the layout: ``src == dst``, one collective-permute), each time the
+    equation runs: ``runs`` times per call (the lengths of the scans around it). In a
     while loop (``in_while``) the trip count is not known when planning, and ``runs``
     counts the loop once."""
 
@@ -64,11 +63,15 @@ class Reshard:
     src: tuple[DimSharding, ...]
     dst: tuple[DimSharding, ...]
     partial: frozenset[str]
-    ring_bytes: float
     steps: tuple[Collective, ...]
     where: str
     runs: int = 1
     in_while: bool = False
+
+    @property
+    def ring_bytes(self) -> float:
+        """Bytes one device sends per run (ring volumes of its steps)."""
+        return sum(s.ring_bytes for s in self.steps) + 0.0
 
     @property
     def collectives(self) -> tuple[str, ...]:
@@ -201,8 +204,8 @@ class Plan(PlanMemory):
             for vid, step in prop.halos(a):
                 layout = tuple(self.dims[vid])
                 self.reshards.append(
-                    Reshard(a, vid, layout, layout, frozenset(), step.ring_bytes, (step,),
-                            g.apps[a].describe(), self._runs[a], self._in_while[a])
+                    Reshard(a, vid, layout, layout, frozenset(), (step,), g.apps[a].describe(),
+                            self._runs[a], self._in_while[a])
                 )  # fmt: skip
 
     def _returned(self, graph: Graph) -> None:
@@ -251,11 +254,10 @@ class Plan(PlanMemory):
             if returned_as is None:
                 self.slices.append((a, vid))
         else:
-            cost = sum(s.ring_bytes for s in steps) + 0.0
             where = g.apps[a].describe()
             where += "" if returned_as is None else f", returned as out/{returned_as}"
             self.reshards.append(
-                Reshard(a, vid, src, dst, partial, cost, tuple(steps), where,
+                Reshard(a, vid, src, dst, partial, tuple(steps), where,
                         self._runs[a], self._in_while[a])
             )  # fmt: skip
 
