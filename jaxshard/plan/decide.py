@@ -45,8 +45,11 @@ def decide(traced: Traced, graph: Graph, prop: Propagator, mesh: Mesh) -> Plan:
     Example:
         >>> plan = decide(traced, graph, propagate_hints(traced, graph, mesh), mesh)  # doctest: +SKIP
     """
-    split_for_memory(graph, prop, has_reduce_scatter(mesh))
-    settle_open(prop)
+    _, settled = _split_for_memory(graph, prop, has_reduce_scatter(mesh))
+    if settled is None:
+        settle_open(prop)
+    else:  # pricing the splits settled this very state already: one pass less
+        prop.adopt(settled)
     return Plan(traced, graph, prop, mesh)
 
 
@@ -123,6 +126,8 @@ class _Pricing:
         final = prop.fork()
         settle_open(final)
         self.final, self.runs, self.apps = final, runs, set(apps)
+        # pricing records the conflicts it meets in `final`; `unchanged` drops them
+        self._settled_conflicts = dict(final.state.conflicts)
         # per application (cost, gathered bytes), priced when first needed
         self.costs: dict[int, tuple[float, float]] = {}
         self._cost: float | None = None
@@ -177,13 +182,21 @@ class _Pricing:
         moved = sum(c[1] - before[a][1] for a, c in costs.items()) > 0
         return extra, self.memory.total_with(changed), moved, costs
 
-    def settled_changes(self, prop: Propagator) -> dict[int, list[DimSharding]]:
+    def unchanged(self) -> Propagator:
+        """This plan's propagation, settled: valid until a change is kept."""
+        self.final.state.conflicts = dict(self._settled_conflicts)
+        return self.final
+
+    def settled_changes(
+        self, prop: Propagator
+    ) -> tuple[dict[int, list[DimSharding]], Propagator]:
         """The values whose layout differs from this plan's once ``prop`` (this plan's
-        propagation with a decision added) is settled as `decide` settles it."""
+        propagation with a decision added) is settled as `decide` settles it, and that
+        settled fork."""
         final = prop.fork()
         settle_open(final)
         now, old = final.state.dims, self.final.state.dims
-        return {v: now[v] for v in range(len(now)) if now[v] != old[v]}
+        return {v: now[v] for v in range(len(now)) if now[v] != old[v]}, final
 
     def keep(
         self, changed: dict[int, list[DimSharding]], costs: dict[int, tuple[float, float]]
@@ -267,6 +280,14 @@ def split_for_memory(
         >>> split_for_memory(graph, prop)  # doctest: +SKIP
         [(3, Pin(dims=(('model',), None), source='split to save memory: ...'))]
     """
+    return _split_for_memory(graph, prop, reduce_scatter)[0]
+
+
+def _split_for_memory(
+    graph: Graph, prop: Propagator, reduce_scatter: bool
+) -> tuple[list[tuple[int, Pin]], Propagator | None]:
+    """`split_for_memory`, and a fork of ``prop`` settled as `settle_open` would settle
+    it afterwards (None when nothing was priced): pricing settles that state anyway."""
     sizes = prop.axis_sizes
     state = dict.fromkeys(graph.in_vids[i] for i, _ in graph.ties)
     dims = prop.state.dims
@@ -276,7 +297,7 @@ def split_for_memory(
         if v not in prop.hinted and None in dims[v] and _split_options(graph, dims, v, sizes)
     ]
     if not open_state:
-        return []
+        return [], None
 
     # the arguments alone (open dims replicated) bound the plan's memory from below
     floor = MEMORY_SHARE * sum(
@@ -288,7 +309,7 @@ def split_for_memory(
         key=lambda v: -nbytes(graph.shapes[v], graph.dtypes[v]),
     )
     if not big:
-        return []
+        return [], None
     dead = dead_apps(graph)
     live, runs = liveness(graph, dead), executions(graph)
     seen: dict = {}
@@ -296,7 +317,7 @@ def split_for_memory(
     base = _Pricing(prop, live, runs, apps, reduce_scatter)
     spent, memory = 0.0, base.memory.total
     hinted = set(prop.hinted)  # the user's leaves keep their layout, open dims included
-    kept = []
+    kept, settled = [], None
     for vid in big:
         if None not in dims[vid]:
             continue  # a split kept before reached it
@@ -320,26 +341,35 @@ def split_for_memory(
             with prop.trying():
                 prop.pin(vid, pin, DEFAULT_RANK)
                 prop.run()
-                changed = base.settled_changes(prop)
+                changed, final = base.settled_changes(prop)
             if not hinted.isdisjoint(changed):
                 continue
             extra, total, moved, costs = base.price(changed)
             if not moved and total < memory and spent + extra <= COST_ALLOWANCE * base.cost:
-                best = (extra, total, pin, changed, costs)
+                best = (extra, total, pin, changed, costs, final)
                 break
         if best is None:
             continue
-        extra, total, pin, changed, costs = best
+        extra, total, pin, changed, costs, settled = best
         shown = f"{extra:.0f} B" if prop.cost_model is None else f"{extra * 1e6:.2f} µs"
         pin = Pin(pin.dims, f"split to save memory: {human_bytes(memory - total)} less per "
                             f"device for {shown} more collectives per step")  # fmt: skip
         prop.pin(vid, pin, DEFAULT_RANK)
         prop.run()
+        _relabel(settled, vid, pin)  # it was settled with the pin's text still unknown
         kept.append((vid, pin))
         spent += extra
         base.keep(changed, costs)
         memory = total
-    return kept
+    return kept, settled if kept else base.unchanged()
+
+
+def _relabel(prop: Propagator, vid: int, pin: Pin) -> None:
+    """Give the dims ``pin`` set on ``vid`` the pin's text as their origin."""
+    origins = prop.state.origins[vid]
+    for d, axes in enumerate(pin.dims):
+        if axes is not None:
+            origins[d] = origins[d]._replace(text=pin.source)
 
 
 def _split_options(graph: Graph, dims, vid: int, sizes: Mapping[str, int]) -> list[tuple[int, str]]:

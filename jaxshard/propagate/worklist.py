@@ -116,6 +116,18 @@ class Propagator(Projection, ConflictPolicy):
         other._journal = None  # a fork made inside `trying` writes into its own state only
         return other
 
+    def adopt(self, fork: Propagator) -> None:
+        """Take the layouts, conflicts and pending work of ``fork`` (a `fork` of this
+        propagator, gone further) as this one's own: the fork is not used again.
+
+        Example:
+            >>> trial = prop.fork(); trial.pin(vid, pin); trial.run()  # doctest: +SKIP
+            >>> prop.adopt(trial)  # doctest: +SKIP
+        """
+        if fork.graph is not self.graph or fork._journal is not None or self._journal is not None:
+            raise JaxshardBug("Propagator.adopt: only a fork of this propagator, outside `trying`")
+        self.__dict__.update(fork.__dict__)
+
     @contextmanager
     def trying(self) -> Iterator[list[tuple[int, int, DimSharding, Origin | None]]]:
         """Pin and propagate a decision tentatively: every write inside the block is
