@@ -19,6 +19,9 @@ parallel on model):
   where the pipeline starts). The weight gradients are summed over "data" every
   iteration; one row shows `Pipeline(replicate=True)`, where each replica adds up its
   own and they are summed once per step.
+- `Pipeline("stage", M, schedule="1f1b")`: one forward and one backward microbatch per
+  iteration on every stage, the loss head run per microbatch inside the loop; each stage
+  keeps the layer inputs of 2S−1 = 7 microbatches instead of GPipe's M+S−1.
 - `Pipeline("stage", M, schedule="circular", repeats=2)`: each stage holds 2 chunks of 4
   layers (stage s: chunks s and s + 4) and every microbatch passes the stages twice; the
   stacked weights move from layer order to the stages' chunks once per step (an
@@ -26,7 +29,7 @@ parallel on model):
   4 chunks of 2 layers per stage and with `replicate=True`.
 
 Columns: memory per device (`memory_analysis`: arguments + results + temporaries −
-aliased), collective bytes per device per step (compiled, ring volumes), compute per
+aliased), the temporaries alone, collective bytes per device per step (compiled, ring volumes), compute per
 device (`jaxshard.cost.compute_flops`: XLA's cost analysis counts a loop body once), and
 the modeled step time = compute / 1e14 FLOP/s + bytes / 1e11 B/s, both per device, with
 no overlap. Then the bubble (S−1)/(M+S−1) against M, and the compute the pipelined
@@ -85,6 +88,7 @@ def measure(w, mesh, hints, pipeline=None) -> dict:
     return {
         "plan_s": planned,
         "memory": cost.memory,
+        "temp": compiled.memory_analysis().temp_size_in_bytes,
         "bytes": cost.bytes,
         "predicted": plan.predicted_bytes,
         "flops": flops,
@@ -117,6 +121,11 @@ def run(quick: bool = False, microbatches=(4, 8, 16), log=print) -> tuple[list, 
         for m in microbatches
     ]
     layouts += [
+        (f"1F1B pipeline, M = {m}, batch on (data, stage)", outside,
+         jaxshard.Pipeline("stage", m, schedule="1f1b"))
+        for m in microbatches
+    ]  # fmt: skip
+    layouts += [
         (f"circular pipeline (v = 2), M = {m}, batch on (data, stage)", outside,
          jaxshard.Pipeline("stage", m, schedule="circular", repeats=2))
         for m in microbatches
@@ -144,37 +153,49 @@ def report(rows, w) -> str:
         "",
         f"{w.describe()}; mesh (stage=4, data=4, model=4), 64 devices.",
         "",
-        "| layout | memory / device | collective bytes / device | compute / device | "
-        "modeled step time | vs 16-way DP x TP | wq stored as | plan s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| layout | memory / device | temporaries / device | collective bytes / device | "
+        "compute / device | modeled step time | vs 16-way DP x TP | wq stored as | plan s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     base = rows[1][2]["time"]
     for name, _, m in rows:
         out.append(
-            f"| {name} | {human_bytes(m['memory'])} | {human_bytes(m['bytes'])} | "
+            f"| {name} | {human_bytes(m['memory'])} | {human_bytes(m['temp'])} | "
+            f"{human_bytes(m['bytes'])} | "
             f"{m['flops'] / 1e12:.1f} TFLOP | {m['time']:.2f} s | {m['time'] / base:.2f}x | "
             f"`{m['stack']}` | {m['plan_s']:.1f} |"
         )
     out += [
         "",
-        "Bubble against schedule and microbatches (S = 4; v = 1 for GPipe): the analytic "
-        "share of each stage's iterations that compute nothing kept, and the compute the "
-        "pipelined program does per device over the ideal share (the 16-way data x 4-way "
-        "tensor parallel layout's).",
+        "Bubble against schedule and microbatches (S = 4; v = 1 for GPipe and 1F1B): the "
+        "analytic share of each stage's iterations that compute nothing kept, the compute "
+        "the pipelined program does per device over the ideal share (the 16-way data x "
+        "4-way tensor parallel layout's), and the temporaries against GPipe's at the same "
+        "M. Iterations: vM+S-1 forward and as many backward; for 1F1B, M+2S-2 (S-1 forward "
+        "only, M both ways, S-1 backward only).",
         "",
-        "| schedule | M | iterations vM+S-1 | bubble (S-1)/(vM+S-1) | compute / ideal - 1 | "
-        "(S-1)/(vM) | memory / device | collective bytes / device |",
-        "|---|---|---|---|---|---|---|---|",
+        "| schedule | M | iterations | bubble | compute / ideal - 1 | (S-1)/(vM) | "
+        "memory / device | temporaries / device | vs GPipe's temporaries | "
+        "collective bytes / device |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    gpipe_temp = {
+        p.microbatches: m["temp"]
+        for name, p, m in rows
+        if p is not None and p.schedule == "gpipe" and "(data, stage)" in name and not p.replicate
+    }
     for name, pipeline, m in rows:
         if pipeline is None or "(data, stage)" not in name or pipeline.replicate:
             continue
         mb, v = pipeline.microbatches, pipeline.repeats
         schedule = pipeline.schedule + (f", v = {v}" if v > 1 else "")
+        ticks = mb + 2 * stages - 2 if pipeline.schedule == "1f1b" else v * mb + stages - 1
+        vs = m["temp"] / gpipe_temp[mb] if mb in gpipe_temp else float("nan")
         out.append(
-            f"| {schedule} | {mb} | {v * mb + stages - 1} | {pipeline.bubble(stages):.1%} | "
+            f"| {schedule} | {mb} | {ticks} | {pipeline.bubble(stages):.1%} | "
             f"{m['flops'] / ideal - 1:+.1%} | {(stages - 1) / (v * mb):.1%} | "
-            f"{human_bytes(m['memory'])} | {human_bytes(m['bytes'])} |"
+            f"{human_bytes(m['memory'])} | {human_bytes(m['temp'])} | {vs:.2f}x | "
+            f"{human_bytes(m['bytes'])} |"
         )
     return "\n".join(out) + "\n"
 

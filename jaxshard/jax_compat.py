@@ -225,6 +225,19 @@ def consts_as_inputs(jaxpr: Any) -> Any:
     return _partial_eval.convert_constvars_jaxpr(jaxpr)
 
 
+def without_dead_code(closed: Any) -> Any:
+    """``closed`` (a ClosedJaxpr) without the equations none of its outputs needs, its
+    inputs kept (a `jax.vjp` whose primal result is dropped computes it all the same).
+
+    Example:
+        >>> closed = jax.make_jaxpr(lambda x: [x * 2, jax.numpy.sin(x)][0])(1.0)
+        >>> [e.primitive.name for e in without_dead_code(closed).jaxpr.eqns]
+        ['mul']
+    """
+    jaxpr, _ = _partial_eval.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars), True)
+    return _public_core.ClosedJaxpr(jaxpr, closed.consts)
+
+
 @functools.cache
 def _jit_template() -> dict:
     """The parameters JAX itself gives a `jit` equation (inner ``jax.jit`` of the

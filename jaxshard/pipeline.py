@@ -53,6 +53,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
+from jaxshard import pipeline_1f1b
 from jaxshard.annotate import PinKind, hint_p
 from jaxshard.errors import ShardingError
 from jaxshard.jax_compat import caller_line
@@ -67,7 +68,7 @@ from jaxshard.pipeline_moves import (
     split,
 )
 
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "1f1b", "circular")
 
 
 @dataclass(frozen=True)
@@ -113,12 +114,6 @@ class Pipeline:
 
         if not isinstance(self.replicate, bool):
             raise ShardingError(f"Pipeline(replicate={self.replicate!r}): True or False")
-        if self.schedule == "1f1b":
-            raise ShardingError(
-                "Pipeline(schedule='1f1b'): jaxshard does not run the one-forward-one-backward "
-                "schedule; use schedule='circular' with repeats=2 or more for a smaller bubble, "
-                "or fewer microbatches for less activation memory"
-            )
         if self.schedule not in SCHEDULES:
             raise ShardingError(
                 f"Pipeline(schedule={self.schedule!r}): one of {SCHEDULES}, e.g. "
@@ -128,6 +123,12 @@ class Pipeline:
             raise ShardingError(
                 f"Pipeline(repeats={self.repeats!r}): give a positive int, the layer chunks "
                 "each stage holds, e.g. repeats=2"
+            )
+        if self.replicate and self.schedule == "1f1b":
+            raise ShardingError(
+                "Pipeline(schedule='1f1b', replicate=True): the 1F1B schedule sums the weight "
+                "gradients over data-parallel replicas inside its loop; drop replicate=True "
+                "(or use schedule='gpipe' with it)"
             )
         if self.repeats > 1 and self.schedule != "circular":
             raise ShardingError(
@@ -180,11 +181,28 @@ class PipelinedLoop:
     replicas: tuple[str, ...] = ()  # mesh axes each microbatch's rows are split over
     schedule: str = "gpipe"
     repeats: int = 1  # layer chunks per stage (circular)
+    note: str = ""  # why 1F1B, asked for, runs this loop on the GPipe schedule
 
     @property
     def iterations(self) -> int:
-        """v·M + S − 1: the loop's iterations, forward (the backward runs as many)."""
+        """v·M + S − 1: the loop's iterations, forward (the backward runs as many); for
+        1F1B, M + 2S − 2 (S − 1 of them forward only, S − 1 backward only)."""
+        if self.schedule == "1f1b":
+            return self.microbatches + 2 * self.stages - 2
         return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def held(self) -> int:
+        """Microbatches whose stage inputs (or saved activations) a stage holds at once:
+        M + S − 1 iterations' worth for GPipe, 2S − 1 for 1F1B whatever M.
+
+        Example:
+            >>> PipelinedLoop("f.py:1", 8, 4, 16, 64, ((64, 8),), 0, schedule="1f1b").held
+            7
+        """
+        if self.schedule == "1f1b":
+            return 2 * self.stages - 1
+        return self.iterations
 
     @property
     def bubble(self) -> float:
@@ -207,6 +225,15 @@ class PipelinedLoop:
                 f"{self.iterations} iterations forward, then as many backward; bubble "
                 f"(S-1)/(vM+S-1) = {self.bubble:.1%} of each stage's work is discarded"
             )
+        elif self.schedule == "1f1b":
+            held = f"{_layers(self.layers // s)} each"
+            schedule = (
+                f"  1F1B schedule: {s - 1} iterations forward only, {m} of one microbatch "
+                f"forward and another backward on every stage (the loss head runs per "
+                f"microbatch), {s - 1} backward only; each stage holds the inputs of at most "
+                f"2S-1 = {self.held} microbatches and recomputes its layers backward; bubble "
+                f"(S-1)/(M+S-1) = {self.bubble:.1%} of each stage's work is discarded"
+            )
         else:
             held = f"{_layers(self.layers // s)} each"
             schedule = (
@@ -214,12 +241,15 @@ class PipelinedLoop:
                 f"backward; bubble (S-1)/(M+S-1) = {self.bubble:.1%} of each stage's work "
                 "is discarded"
             )
+            if self.note:
+                schedule += f"\n  1F1B asked for, GPipe run: {self.note}"
         lines = [
             f"scan at {self.line}: {self.layers} layers over {s} stages ({held}), "
             f"{m} microbatches of {self.batch // m} rows",
             schedule,
             f"  carry {', '.join(str(c) for c in self.carry)} moves one stage per iteration "
-            "by collective-permute",
+            "by collective-permute"
+            + (", its gradient one stage back" if self.schedule == "1f1b" else ""),
         ]
         if self.replicas:
             lines.append(
@@ -289,6 +319,18 @@ class Interception:
     loops: list[PipelinedLoop] = field(default_factory=list)
     left: list[tuple[str, str]] = field(default_factory=list)
     busy: int = 0
+    # 1F1B: a loss being traced with its layer scan as a marker (`pipeline_1f1b`), the
+    # scans it captured, and why the last loss asked to run 1F1B runs GPipe
+    capturing: bool = False
+    captured: list = field(default_factory=list)
+    fallback: str = ""
+
+    def record_1f1b(self, loop: Any) -> None:
+        """Record a layer scan run on the 1F1B schedule."""
+        self.loops.append(
+            PipelinedLoop(loop.line, loop.layers, loop.stages, loop.m, loop.batch,
+                          loop.carry_shapes, len(loop.batch_consts), (), "1f1b", 1)
+        )  # fmt: skip
 
     def check(self) -> None:
         """A ShardingError naming every scan seen and why, when none was pipelined."""
@@ -337,6 +379,8 @@ def intercepting(
     with _PATCH:
         _PLANNING += 1
         jax.lax.scan = _scan
+        # every planning's calls pass through unless it runs 1F1B (`pipeline_1f1b`)
+        jax.value_and_grad, jax.grad = pipeline_1f1b.value_and_grad, pipeline_1f1b.grad
     try:
         yield seen
     finally:
@@ -345,6 +389,13 @@ def intercepting(
             _PLANNING -= 1
             if _PLANNING == 0:
                 jax.lax.scan = ORIGINAL_SCAN
+                jax.value_and_grad = pipeline_1f1b.ORIGINAL_VALUE_AND_GRAD
+                jax.grad = pipeline_1f1b.ORIGINAL_GRAD
+
+
+def active_interception() -> Interception | None:
+    """The `Interception` of the planning tracing on this thread, if any."""
+    return getattr(_ACTIVE, "value", None)
 
 
 def _scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpose=False):
@@ -364,6 +415,8 @@ def _scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpo
         seen.busy -= 1
     if loop is None:
         return ORIGINAL_SCAN(*plain)
+    if seen.capturing:  # a loss traced for 1F1B: the scan is split out of it
+        return pipeline_1f1b.capture(loop, init, xs, seen)
     seen.busy += 1
     try:
         return loop.run(init, xs)
@@ -581,10 +634,16 @@ class _Loop:
         outs = [pin(start(v), micro_spec, whole) for v in micro[:n_carry]]
         (_, outs), _ = jax.lax.scan(tick, (buf, outs), jnp.arange(laps * m + s - 1))
         schedule = "circular" if laps > 1 else "gpipe"  # one chunk per stage is GPipe
+        note = ""
+        if self.seen.pipeline.schedule == "1f1b":
+            note = self.seen.fallback or (
+                "the loss around this scan is not differentiated by jax.value_and_grad or "
+                "jax.grad, which 1F1B runs per microbatch"
+            )
         self.seen.loops.append(
             PipelinedLoop(self.line, self.layers, s, m, self.batch, self.carry_shapes,
                           len(self.batch_consts), self.replicas if r > 1 else (), schedule,
-                          laps)
+                          laps, note)
         )  # fmt: skip
         if r > 1:  # (M, R, rows/R, ...) -> (M, rows, ...)
             outs = [o.reshape(o.shape[0], o.shape[1] * o.shape[2], *o.shape[3:]) for o in outs]

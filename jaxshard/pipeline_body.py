@@ -45,21 +45,12 @@ class _Analysis:
     n_consts: int
 
 
-def independence(closed: ClosedJaxpr, n_carry: int, n_xs: int, m: int) -> _Analysis:
-    """Propagate a pseudo axis of size ``m`` from the carry's batch dim through the body
-    (consts first as inputs); `Rejected` naming the equation that mixes rows.
-
-    Example:
-        >>> body = jax.make_jaxpr(lambda h, w: [h.sum(0) * w])(np.ones((8, 4)), np.ones(4))
-        >>> independence(body, 1, 1, 4)
-        Traceback (most recent call last):
-        jaxshard.pipeline_body.Rejected: its body sums over the batch at reduce_sum...
-    """
-    n_consts = len(closed.consts)
+def _propagated(closed: ClosedJaxpr, names: list[str], pinned: range, m: int):
+    """The graph of ``closed`` (consts first as inputs, named ``names``) and its
+    propagation of a pseudo axis of size ``m`` pinned on the leading dim of the inputs
+    at positions ``pinned``."""
     jaxpr = consts_as_inputs(closed.jaxpr)
     n_in = len(jaxpr.invars)
-    names = [f"const/{i}" for i in range(n_consts)]
-    names += [f"carry/{i}" for i in range(n_carry)] + [f"xs/{i}" for i in range(n_xs)]
     traced = Traced(
         ClosedJaxpr(jaxpr, []),
         tuple(names),
@@ -71,41 +62,173 @@ def independence(closed: ClosedJaxpr, n_carry: int, n_xs: int, m: int) -> _Analy
     sizes = {MICROBATCH: m}
     graph = build_graph(traced, sizes)
     prop = Propagator(graph, sizes)
-    carry_in = graph.in_vids[n_consts : n_consts + n_carry]
-    for vid in carry_in:
+    for vid in (graph.in_vids[i] for i in pinned):
         rank = len(graph.shapes[vid])
         prop.pin(vid, Pin(((MICROBATCH,),) + (None,) * (rank - 1), "the pipeline's microbatches"))
     prop.run()
+    return graph, prop
+
+
+def _batch_dims(dims, vid: int) -> list[int]:
+    return [d for d, ax in enumerate(dims[vid]) if ax and MICROBATCH in ax]
+
+
+def _rows_kept_apart(graph: Graph, prop: Propagator, a: int, what: str) -> None:
+    """`Rejected` unless application ``a`` works in the layouts its values hold as far as
+    the pseudo axis goes (no row mixed with another)."""
     dims = prop.state.dims
+    for vid, d, want in prop.working(a)[0]:
+        held, wanted = dims[vid][d] or (), want or ()
+        if (MICROBATCH in held) != (MICROBATCH in wanted):
+            raise Rejected(f"{what} mixes batch rows at {graph.apps[a].describe()}")
 
-    def has(vid: int) -> list[int]:
-        return [d for d, ax in enumerate(dims[vid]) if ax and MICROBATCH in ax]
 
+def _found_batch(graph: Graph, dims, vids, what: str) -> list[tuple[int, int]]:
+    """(position, batch dim) of each of ``vids`` the pseudo axis reached."""
+    out = []
+    for i, vid in enumerate(vids):
+        found = _batch_dims(dims, vid)
+        if len(found) > 1:
+            raise Rejected(f"{what} has the batch on dims {found}")
+        if found:
+            out.append((i, found[0]))
+    return out
+
+
+def independence(closed: ClosedJaxpr, n_carry: int, n_xs: int, m: int) -> _Analysis:
+    """Propagate a pseudo axis of size ``m`` from the carry's batch dim through the body
+    (consts first as inputs); `Rejected` naming the equation that mixes rows.
+
+    Example:
+        >>> body = jax.make_jaxpr(lambda h, w: [h.sum(0) * w])(np.ones((8, 4)), np.ones(4))
+        >>> independence(body, 1, 1, 4)
+        Traceback (most recent call last):
+        jaxshard.pipeline_body.Rejected: its body sums over the batch at reduce_sum...
+    """
+    n_consts = len(closed.consts)
+    names = [f"const/{i}" for i in range(n_consts)]
+    names += [f"carry/{i}" for i in range(n_carry)] + [f"xs/{i}" for i in range(n_xs)]
+    graph, prop = _propagated(closed, names, range(n_consts, n_consts + n_carry), m)
+    dims = prop.state.dims
     for a, app in enumerate(graph.apps):
-        working, partial = prop.working(a)
-        if MICROBATCH in partial:
+        if MICROBATCH in prop.working(a)[1]:
             raise Rejected(f"its body sums over the batch at {app.describe()}")
-        for vid, d, want in working:
-            held, wanted = dims[vid][d] or (), want or ()
-            if (MICROBATCH in held) != (MICROBATCH in wanted):
-                raise Rejected(f"its body mixes batch rows at {app.describe()}")
+        _rows_kept_apart(graph, prop, a, "its body")
     for i, vid in enumerate(graph.out_vids):
-        if has(vid) != [0]:
+        if _batch_dims(dims, vid) != [0]:
             raise Rejected(
                 f"its body's new carry leaf {i} does not keep the batch on its leading dim "
-                f"(batch found on dims {has(vid)})"
+                f"(batch found on dims {_batch_dims(dims, vid)})"
             )
     for i, vid in enumerate(graph.in_vids[n_consts + n_carry :]):
-        if has(vid):
+        if _batch_dims(dims, vid):
             raise Rejected(f"its xs leaf {i} has a batch dim; xs must be per-layer parameters")
-    batch_consts = []
-    for i, vid in enumerate(graph.in_vids[:n_consts]):
-        found = has(vid)
-        if len(found) > 1:
-            raise Rejected(f"a value its body closes over has the batch on dims {found}")
-        if found:
-            batch_consts.append((i, found[0]))
+    batch_consts = _found_batch(
+        graph, dims, graph.in_vids[:n_consts], "a value its body closes over"
+    )
     return _Analysis(graph, dims, batch_consts, n_consts)
+
+
+# --- the loss head: a sum over rows ---------------------------------------------------------
+
+# primitives through which a value that is a sum over microbatches stays one, given which
+# operands may be such sums: "all" (every operand: add), "first" (a scale or divisor
+# that does not depend on the rows: div), "one" (exactly one operand: mul, dot_general)
+_LINEAR = {
+    "add": "all", "add_any": "all", "sub": "all", "neg": "all", "reduce_sum": "all",
+    "reshape": "all", "squeeze": "all", "expand_dims": "all", "broadcast_in_dim": "all",
+    "transpose": "all", "convert_element_type": "all", "copy": "all", "copy_p": "all",
+    "sharding_constraint": "all", "jaxshard_hint": "all", "pjit": "all", "jit": "all",
+    "closed_call": "all", "div": "first", "mul": "one", "dot_general": "one",
+}  # fmt: skip
+
+
+@dataclass
+class _Head:
+    analysis: _Analysis  # batch_consts: (position among the head's other inputs, dim)
+    summed: list[int]  # the head's outputs that are sums over the rows (the loss first)
+
+
+def head_sums(closed: ClosedJaxpr, n_carry: int, m: int) -> _Head:
+    """Prove that the loss head (the step after the layer scan: final norm, output
+    projection, per-example loss and its mean) is a sum of per-microbatch terms: its
+    inputs are the scan's carry (first ``n_carry``, batch leading) and other values;
+    rows are never mixed, every reduction over the batch is a sum, and what follows a
+    sum is linear in it (scaled or divided by values that do not depend on the rows,
+    added only to other such sums), up to every output. Run on a microbatch, the head
+    then gives that microbatch's share of the loss (a mean divides by the whole batch's
+    size, a constant of the program). `Rejected` with the equation that breaks it.
+
+    Example:
+        >>> head = jax.make_jaxpr(lambda h: [(h ** 2).mean()])(np.ones((8, 4)))
+        >>> head_sums(head, 1, 4).summed
+        [0]
+        >>> head_sums(jax.make_jaxpr(lambda h: [h.max()])(np.ones((8, 4))), 1, 4)
+        Traceback (most recent call last):
+        jaxshard.pipeline_body.Rejected: the loss reduces over the batch at reduce_max...
+    """
+    n_consts = len(closed.consts)
+    n_in = len(closed.jaxpr.invars)
+    names = [f"const/{i}" for i in range(n_consts)]
+    names += [f"carry/{i}" for i in range(n_carry)]
+    names += [f"in/{i}" for i in range(n_in - n_carry)]
+    graph, prop = _propagated(closed, names, range(n_consts, n_consts + n_carry), m)
+    dims = prop.state.dims
+    rows = set(graph.in_vids[n_consts : n_consts + n_carry])  # depend on the rows
+    sums: set[int] = set()  # sums over the rows: linear in them
+    for a, app in enumerate(graph.apps):
+        where = app.describe()
+        inputs = [v for v in app.operands if v in rows or v in sums]
+        if not inputs:
+            continue
+        _rows_kept_apart(graph, prop, a, "the loss")
+        summing = MICROBATCH in prop.working(a)[1]
+        if any(v in sums for v in app.operands):
+            name = app.eqn.primitive.name if app.eqn is not None else "link"
+            how = "all" if app.eqn is None else _LINEAR.get(name)
+            summed = [v in sums for v in app.operands]
+            ok = (
+                not summing
+                and not any(v in rows and v not in sums for v in app.operands)
+                and (
+                    (how == "all" and all(summed))
+                    or (how == "first" and summed[0] and not any(summed[1:]))
+                    or (how == "one" and sum(summed) == 1 and len(inputs) == 1)
+                )
+            )
+            if not ok:
+                raise Rejected(
+                    f"the loss is not a sum of per-example terms: {where} takes a sum over the "
+                    "batch and is not linear in it (a mean of per-example losses is, also "
+                    "divided by a count the layers do not change; a sum plus a term the layers "
+                    "do not change, or a nonlinear function of the mean, is not)"
+                )
+            sums.update(app.results)
+        elif summing:
+            if app.eqn is None or app.eqn.primitive.name not in ("reduce_sum", "dot_general"):
+                raise Rejected(
+                    f"the loss reduces over the batch at {where} with something other than "
+                    "a sum (a mean of per-example losses is a sum)"
+                )
+            sums.update(app.results)
+        else:
+            rows.update(app.results)
+    summed = []
+    for i, vid in enumerate(graph.out_vids):
+        if vid in sums:
+            summed.append(i)
+        elif vid in rows:
+            raise Rejected(
+                f"the loss function returns a value per example (output {i}) after the "
+                "layer scan; 1F1B needs every output of the loss that depends on the layers "
+                "to be a sum or mean over the batch"
+            )
+    if _found_batch(graph, dims, graph.in_vids[:n_consts], "a constant of the loss"):
+        raise Rejected("the loss after the layer scan holds a constant with the batch's rows")
+    batch_ins = _found_batch(
+        graph, dims, graph.in_vids[n_consts + n_carry :], "a value the loss reads"
+    )
+    return _Head(_Analysis(graph, dims, batch_ins, n_consts), summed)
 
 
 # --- the body at microbatch size ----------------------------------------------------------

@@ -172,14 +172,29 @@ def join(v):
     return v.reshape(v.shape[0] * v.shape[1], *v.shape[2:])
 
 
-def shift(buf: list, axis: str, stages: int) -> list:
-    """Each stage's slot to the next stage (the last one's to the first): a
-    collective-permute over ``axis``, every other mesh axis left automatic.
+def unsplit(v, d: int):
+    """The inverse of `split` for rows at ``d`` + 1: (M, ..., rows, ...) -> (..., B at d, ...).
+
+    Example:
+        >>> unsplit(split(jnp.arange(12).reshape(2, 6), 1, 3), 1).tolist() == jnp.arange(12).reshape(2, 6).tolist()
+        True
+    """
+    v = jnp.moveaxis(v, d + 1, 1)
+    v = jnp.swapaxes(v, 0, 1)
+    v = v.reshape(v.shape[0] * v.shape[1], *v.shape[2:])
+    return jnp.moveaxis(v, 0, d)
+
+
+def shift(buf: list, axis: str, stages: int, back: bool = False) -> list:
+    """Each stage's slot to the next stage (the last one's to the first; ``back``: to
+    the previous stage, the first one's to the last): a collective-permute over
+    ``axis``, every other mesh axis left automatic.
 
     Example:
         >>> buf = shift(buf, "stage", 4)  # doctest: +SKIP
     """
-    perm = [(i, (i + 1) % stages) for i in range(stages)]
+    step = -1 if back else 1
+    perm = [(i, (i + step) % stages) for i in range(stages)]
     specs = tuple(P(axis) for _ in buf)
     moved = jax.shard_map(
         lambda *b: [jax.lax.ppermute(x, axis, perm) for x in b],

@@ -33,7 +33,8 @@ The format (version 2), one JSON object:
 ``pipeline`` (optional)
     One object per pipelined scan: ``{"line": text, "layers": n, "stages": n,
     "microbatches": n, "batch": n, "replicas": [axis, ...]}``, plus ``"schedule":
-    "circular", "repeats": n`` for a circular pipeline.
+    "circular", "repeats": n`` for a circular pipeline and ``"schedule": "1f1b", "repeats":
+    1`` for a one-forward-one-backward one.
 """
 
 from __future__ import annotations
@@ -332,13 +333,15 @@ class _Check:
         keys = ("batch", "layers", "line", "microbatches", "replicas", "stages")
         for i, loop in enumerate(self.list_of("pipeline", loops)):
             where = f"pipeline[{i}]"
-            circular = isinstance(loop, dict) and "schedule" in loop
-            self.obj(where, loop, keys + (("repeats", "schedule") if circular else ()))
+            named = isinstance(loop, dict) and "schedule" in loop
+            self.obj(where, loop, keys + (("repeats", "schedule") if named else ()))
             self.text(f"{where}.line", loop["line"])
-            for key in _PIPELINE_INTS + (("repeats",) if circular else ()):
+            for key in _PIPELINE_INTS + (("repeats",) if named else ()):
                 self.count(f"{where}.{key}", loop[key], 1)
-            if circular and loop["schedule"] != "circular":
-                self.fail(f"{where}.schedule", loop["schedule"], '"circular" (GPipe is unnamed)')
+            if named and loop["schedule"] not in ("circular", "1f1b"):
+                self.fail(
+                    f"{where}.schedule", loop["schedule"], '"circular" or "1f1b" (GPipe is unnamed)'
+                )
             for k, axis in enumerate(self.list_of(f"{where}.replicas", loop["replicas"])):
                 if not isinstance(axis, str) or axis not in axes:
                     self.fail(f"{where}.replicas[{k}]", axis, f"a mesh axis ({list(axes)})")

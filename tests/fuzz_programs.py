@@ -621,6 +621,15 @@ PIPE_OPS = (
 )
 
 
+# the loss after the layer stack: two sums over the rows (1F1B runs them per
+# microbatch) and one that is not (1F1B falls back to GPipe)
+PIPE_HEADS = (
+    "jnp.mean(h ** 2)",
+    "jnp.sum(jnp.tanh(h) * mask.reshape({mask_shape})) / {batch}",
+    "jnp.sqrt(jnp.mean(h ** 2))",
+)
+
+
 @dataclass
 class PipeCase:
     """A loss over a scanned layer stack, pipelined over ``stage`` of a (stage=2, data=2,
@@ -636,10 +645,12 @@ class PipeCase:
     replicate: bool = False
     d: int = 8
     repeats: int = 1  # above 1: the circular schedule with this many chunks per stage
+    one_f_one_b: bool = False  # the 1F1B schedule (repeats 1, replicate False)
+    head: str = PIPE_HEADS[0]
 
     def pipeline(self):
         """The `jaxshard.Pipeline` over the (stage=2, ...) mesh this case runs with."""
-        schedule = "circular" if self.repeats > 1 else "gpipe"
+        schedule = "circular" if self.repeats > 1 else "1f1b" if self.one_f_one_b else "gpipe"
         return jaxshard.Pipeline(
             "stage", self.microbatches, self.replicate, schedule=schedule, repeats=self.repeats
         )
@@ -652,6 +663,7 @@ class PipeCase:
             "shape_merged": ", ".join(map(str, merged)),
             "half": self.d // 2,
             "mask_shape": f"{self.batch}, 1, 1" if self.seq else f"{self.batch}, 1",
+            "batch": self.batch,
         }
         lines = ["def loss(p, x, mask):"]
         if self.remat:
@@ -660,13 +672,15 @@ class PipeCase:
         lines += [f"        {op.format(**fill)}" for op in self.body]
         lines.append("        return h, None")
         lines.append("    h, _ = jax.lax.scan(layer, x, p)")
-        lines.append("    return jnp.mean(h ** 2)")
+        lines.append(f"    return {self.head.format(**fill)}")
         return "\n".join(lines)
 
     def fn(self):
+        """The step: the loss's value and gradients (taken inside, as a train step does)."""
         namespace = {"jax": jax, "jnp": jnp}
         exec(compile(self.source(), "<fuzz pipeline>", "exec"), namespace)
-        return jax.value_and_grad(namespace["loss"])
+        loss = namespace["loss"]
+        return lambda p, x, mask: jax.value_and_grad(loss)(p, x, mask)
 
     def inputs(self, seed: int = 0):
         rng = np.random.default_rng(seed)
@@ -685,14 +699,14 @@ class PipeCase:
         return (
             f"{self.source()}\n# layers={self.layers} batch={self.batch} seq={self.seq} "
             f"microbatches={self.microbatches} replicate={self.replicate} "
-            f"repeats={self.repeats} hints={{{hints}}}"
+            f"repeats={self.repeats} one_f_one_b={self.one_f_one_b} hints={{{hints}}}"
         )
 
 
 @st.composite
 def pipe_cases(draw) -> PipeCase:
     """A random layer stack that a 2-stage pipeline must run like the plain step, on
-    the GPipe or the circular schedule."""
+    the GPipe, 1F1B or circular schedule."""
     layers = draw(st.sampled_from((2, 4, 6)))
     microbatches = draw(st.sampled_from((1, 2, 4)))
     # circular: chunks of the 2 stages' layers, at least 2 microbatches
@@ -707,4 +721,7 @@ def pipe_cases(draw) -> PipeCase:
     if draw(st.booleans()):
         hints[r"p/a"] = P(None, None, "model")
     remat, replicate = draw(st.booleans()), draw(st.booleans())
-    return PipeCase(layers, batch, seq, body, remat, microbatches, hints, replicate, 8, repeats)
+    one_f_one_b = repeats == 1 and not replicate and draw(st.booleans())
+    head = draw(st.sampled_from(PIPE_HEADS))
+    return PipeCase(layers, batch, seq, body, remat, microbatches, hints, replicate, 8, repeats,
+                    one_f_one_b, head)  # fmt: skip

@@ -607,9 +607,10 @@ def test_circular_sizes_that_do_not_fit(pipe_mesh, layers, microbatches, repeats
 @pytest.mark.parametrize(
     "kwargs, error",
     [
-        ({"schedule": "1f1b"}, r"does not run the one-forward-one-backward schedule"),
-        ({"schedule": "zigzag"}, r"schedule='zigzag'\): one of \('gpipe', 'circular'\)"),
+        ({"schedule": "1f1b", "replicate": True}, r"schedule='1f1b', replicate=True\): the 1F1B"),
+        ({"schedule": "zigzag"}, r"schedule='zigzag'\): one of \('gpipe', '1f1b', 'circular'\)"),
         ({"repeats": 2}, r"repeats=2\) applies to schedule='circular' only"),
+        ({"schedule": "1f1b", "repeats": 2}, r"repeats=2\) applies to schedule='circular' only"),
         ({"schedule": "circular", "repeats": 0}, r"repeats=0\): give a positive int"),
         ({"schedule": "circular", "repeats": 2.0}, r"repeats=2.0\): give a positive int"),
     ],
@@ -617,6 +618,40 @@ def test_circular_sizes_that_do_not_fit(pipe_mesh, layers, microbatches, repeats
 def test_bad_schedule(kwargs, error):
     with pytest.raises(ShardingError, match=error):
         Pipeline("stage", 4, **kwargs)
+
+
+def test_1f1b_layers_the_stages_do_not_divide(pipe_mesh):
+    def loss(params, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params)
+        return jnp.mean(h)
+
+    piped = jaxshard.auto_shard(pipe_mesh, pipeline=Pipeline("stage", 2, schedule="1f1b"))
+    with pytest.raises(ShardingError, match=r"has 3 layers, which the 2 stages") as e:
+        piped(jax.grad(loss)).plan(jnp.ones((3, 8, 8)), jnp.ones((8, 8)))
+    assert "test_bad_input.py" in str(e.value)
+
+
+def test_1f1b_head_that_mixes_rows_runs_gpipe_and_says_where(pipe_mesh):
+    """A loss whose head mixes the batch's rows (here: each row minus the batch's mean)
+    cannot run per microbatch: the step runs on the GPipe schedule and the plan names the
+    equation."""
+
+    def loss(params, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, params)
+        return jnp.mean((h - h.mean(axis=0)) ** 2)
+
+    piped = jaxshard.auto_shard(pipe_mesh, pipeline=Pipeline("stage", 2, schedule="1f1b"))
+    args = jnp.ones((2, 8, 8)), jnp.ones((8, 8))
+    plan = piped(lambda *a: jax.grad(loss)(*a)).plan(*args)
+    (loop,) = plan.pipelined
+    assert loop.schedule == "gpipe"
+    assert re.search(
+        r"the loss is not a sum of per-example terms: sub at .*test_bad_input.py", loop.note
+    ), loop.note
+    assert loop.note in plan.explain()
+    # a gradient function made before planning is not one 1F1B can run per microbatch
+    (loop,) = piped(jax.grad(loss)).plan(*args).pipelined
+    assert "not differentiated by jax.value_and_grad or jax.grad" in loop.note, loop.note
 
 
 def test_pipeline_axis_missing_from_mesh(mesh):

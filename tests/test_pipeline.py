@@ -185,17 +185,24 @@ def test_search_and_saved_plans_keep_the_pipeline(pipe_mesh, sgd_runs):
 # --- the circular schedule ---------------------------------------------------------------
 
 CIRCULAR = Pipeline("stage", 4, schedule="circular", repeats=2)
+ONE_F_ONE_B = Pipeline("stage", 4, schedule="1f1b")
 
 
 @pytest.fixture(scope="module")
 def circular_runs(pipe_mesh, llama):
     """Two SGD steps on the circular schedule (2 stages x 2 chunks of 1 layer each, 4
     microbatches), the stacked weights stored FSDP-style over "data" as well."""
+    hints = {**HINTS, r"params/layers/w_up": P(None, "data", "model")}
+    return _two_sgd_steps(pipe_mesh, llama, hints, CIRCULAR)
+
+
+def _two_sgd_steps(mesh, llama, hints, pipeline):
+    """(the planned step, the parameters after two SGD steps, their losses, the first
+    step's arguments)."""
     params, batch = llama
     opt = optax.sgd(0.1)
     step = make_train_step(functools.partial(llama_loss, cfg=CFG), opt)
-    hints = {**HINTS, r"params/layers/w_up": P(None, "data", "model")}
-    piped = jaxshard.auto_shard(pipe_mesh, hints, pipeline=CIRCULAR)(step)
+    piped = jaxshard.auto_shard(mesh, hints, pipeline=pipeline)(step)
     p, s = params, opt.init(params)
     losses = []
     for _ in range(2):
@@ -286,16 +293,19 @@ def test_chunk_moves_put_every_chunk_in_ring_order_and_back(stages, repeats):
     assert moved(chunk_rounds(stages, repeats, back=True), ring) == layer_order
 
 
-def test_circular_adamw_with_fsdp_storage_matches_unsharded(pipe_mesh, llama):
-    """AdamW on the circular schedule, a stacked weight stored FSDP-style: the moments
-    after two steps equal the unsharded step's, stored as their parameter is, and the
-    parameters agree to a tenth of what the two updates can move them."""
+@pytest.mark.parametrize("schedule", ["circular", "1f1b"])
+def test_adamw_with_fsdp_storage_matches_unsharded(pipe_mesh, llama, schedule):
+    """AdamW on the circular and the 1F1B schedule, a stacked weight stored FSDP-style
+    (and tensor parallel): the moments after two steps equal the unsharded step's, stored
+    as their parameter is, and the parameters agree to a tenth of what the two updates
+    can move them."""
     params, batch = llama
     lr, steps = 1e-3, 2
     opt = optax.adamw(lr)
     step = make_train_step(functools.partial(llama_loss, cfg=CFG), opt)
     hints = {**HINTS, r"params/layers/w_up": P(None, "data", "model")}
-    piped = jaxshard.auto_shard(pipe_mesh, hints, pipeline=CIRCULAR)(step)
+    pipeline = CIRCULAR if schedule == "circular" else ONE_F_ONE_B
+    piped = jaxshard.auto_shard(pipe_mesh, hints, pipeline=pipeline)(step)
     ref = jax.jit(step)
     mine, theirs = (params, opt.init(params)), (params, opt.init(params))
     for _ in range(steps):
@@ -312,3 +322,133 @@ def test_circular_adamw_with_fsdp_storage_matches_unsharded(pipe_mesh, llama):
         mine[0], theirs[0],
     )  # fmt: skip
     assert mine[1][0].mu["layers"]["w_up"].sharding.spec == P("stage", "data", "model")
+
+
+# --- the 1F1B schedule -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b_runs(pipe_mesh, llama):
+    """Two SGD steps on the 1F1B schedule (2 stages of 2 layers, 4 microbatches) with the
+    tensor-parallel hints, the batch over "data"."""
+    return _two_sgd_steps(pipe_mesh, llama, HINTS, ONE_F_ONE_B)
+
+
+def test_1f1b_matches_unsharded(one_f_one_b_runs, sgd_runs):
+    _, p, losses, _ = one_f_one_b_runs
+    _, runs, ref_losses, _ = sgd_runs
+    np.testing.assert_allclose(losses, ref_losses["ref"], rtol=1e-5)
+    assert_leaves_match(p, runs["ref"][0])
+    assert p["layers"]["wq"].sharding.spec == P("stage", None, "model")
+
+
+def test_1f1b_explained_saved_and_loaded(one_f_one_b_runs, pipe_mesh):
+    piped, _, _, args = one_f_one_b_runs
+    plan = piped.plan(*args)
+    (loop,) = plan.pipelined
+    # S-1 iterations forward only, M of one forward and one backward, S-1 backward only
+    assert (loop.schedule, loop.iterations, loop.held, loop.note) == ("1f1b", 4 + 2, 3, "")
+    assert loop.bubble == pytest.approx(1 / 5)  # GPipe's (S-1)/(M+S-1)
+    text = plan.explain()
+    assert "1F1B schedule: 1 iterations forward only, 4 of one microbatch forward" in text
+    assert "bubble (S-1)/(M+S-1) = 20.0%" in text
+    record = plan.to_json()
+    (saved_loop,) = json.loads(record)["pipeline"]
+    assert saved_loop["schedule"] == "1f1b"
+    again = jaxshard.auto_shard(
+        pipe_mesh, plan=jaxshard.Plan.from_json(record), pipeline=ONE_F_ONE_B
+    )
+    assert again(piped.__wrapped__).plan(*args).in_specs == plan.in_specs
+
+
+def test_1f1b_permutes_activations_forward_and_gradients_back(one_f_one_b_runs, pipe_mesh):
+    """A collective-permute over stage each way per iteration that runs that way, but
+    the one cool-down iteration's (nothing reads it), as the plan predicts."""
+    piped, _, _, args = one_f_one_b_runs
+    plan = piped.plan(*args)
+    predicted = sorted(c.runs for c in plan.written if c.kind == "collective-permute")
+    # forward: 1 warm-up + 4 steady iterations; back: the 4 steady ones
+    assert predicted == [1, 4, 4], predicted
+    compiled = piped.lower(*args).compile()
+    found = [
+        c
+        for c in compiled_collectives(compiled.as_text(), pipe_mesh)
+        if c.kind == "collective-permute" and c.axes == frozenset({"stage"})
+    ]
+    assert sorted(c.runs for c in found) == predicted, found
+    surprises = plan.verify(piped.lower(*args)).surprises
+    assert not [s for s in surprises if "permute over stage of" in s], surprises
+
+
+def _mask_loss(params, batch, root):
+    """A scanned tanh stack closing over a per-example mask; the loss the kept rows' mean
+    (divided by a count of the batch's mask: a sum over rows, scaled) or, with ``root``,
+    its square root (not linear in the sum over rows)."""
+    mask = batch["mask"]
+
+    def layer(x, w):
+        return jnp.tanh(x @ w) * mask[:, None], None
+
+    x, _ = jax.lax.scan(layer, batch["x"], params["layers"])
+    per_example = jnp.sum((x @ params["head"]) ** 2, axis=-1) * mask
+    loss = per_example.sum() / mask.sum()
+    if root:
+        return jnp.sqrt(loss)
+    return loss, {"kept": mask.sum(), "total": per_example.sum()}
+
+
+@pytest.mark.parametrize("root", [False, True])
+def test_1f1b_head_with_aux_or_falling_back_to_gpipe(pipe_mesh, root):
+    """A loss with auxiliary outputs (one a sum over rows) and a body closing over the
+    batch's mask runs 1F1B and matches; the square root of a mean runs GPipe, explained."""
+    has_aux = not root
+
+    def step(params, batch):
+        out, grads = jax.value_and_grad(_mask_loss, has_aux=has_aux)(params, batch, root)
+        loss = out[0] if has_aux else out
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    params = {
+        "layers": jax.random.normal(jax.random.key(0), (4, 16, 16)) * 0.3,
+        "head": jax.random.normal(jax.random.key(2), (16, 8)) * 0.3,
+    }
+    batch = {
+        "x": jax.random.normal(jax.random.key(1), (8, 16)),
+        "mask": (jnp.arange(8) % 3 != 0).astype(jnp.float32),
+    }
+    fn = jaxshard.auto_shard(pipe_mesh, {r"batch/.*": P("data")}, pipeline=ONE_F_ONE_B)(step)
+    new, loss = fn(params, batch)
+    ref_new, ref_loss = jax.jit(step)(params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_leaves_match(new, ref_new)
+    (loop,) = fn.plan(params, batch).pipelined
+    if root:
+        assert loop.schedule == "gpipe"
+        assert "the loss is not a sum of per-example terms: sqrt" in loop.note, loop.note
+        assert "1F1B asked for, GPipe run" in fn.plan(params, batch).explain()
+    else:
+        assert (loop.schedule, loop.moving_consts) == ("1f1b", 1)
+
+
+def test_1f1b_activations_do_not_grow_with_microbatches(pipe_mesh):
+    """GPipe keeps every iteration's layer inputs (M+S-1 microbatches per stage), 1F1B a
+    ring of 2S-1: at a fixed microbatch size, raising M from 4 to 16 grows 1F1B's compiled
+    temporaries only by the whole batch's buffers (its input and gradient), less than
+    half of what it adds to GPipe's (a small Llama compiled from abstract arguments)."""
+    cfg = LlamaConfig(vocab=64, d_model=64, n_heads=4, n_kv_heads=2, n_layers=4, seq=64, d_ff=128)
+    opt = optax.sgd(0.1)
+    params = jax.eval_shape(lambda: init_llama(jax.random.key(0), cfg))
+    step = make_train_step(functools.partial(llama_loss, cfg=cfg), opt)
+    temps = {}
+    for m in (4, 16):
+        batch = jax.eval_shape(lambda: make_batch_llama(jax.random.key(1), cfg, 4 * m))  # noqa: B023
+        args = (params, jax.eval_shape(opt.init, params), batch)
+        for schedule in ("gpipe", "1f1b"):
+            fn = jaxshard.auto_shard(
+                pipe_mesh, HINTS, pipeline=Pipeline("stage", m, schedule=schedule)
+            )
+            compiled = fn(step).lower(*args).compile()
+            temps[schedule, m] = compiled.memory_analysis().temp_size_in_bytes
+    grown = {k: temps[k, 16] - temps[k, 4] for k in ("gpipe", "1f1b")}
+    assert grown["1f1b"] < 0.5 * grown["gpipe"], temps  # 0.36 measured
+    assert temps["1f1b", 16] < temps["gpipe", 16], temps  # 0.64 measured
