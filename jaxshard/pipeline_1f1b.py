@@ -127,7 +127,11 @@ def grad(fun: Callable, argnums=0, has_aux: bool = False, **kw) -> Callable:
 
 def capture(loop, init, xs, seen) -> Any:
     """The marker equation standing for a qualifying layer scan while a loss is traced
-    for 1F1B (`_SplitLoss.of`); returns ``(new_carry, None)`` as the scan would."""
+    for 1F1B (`_SplitLoss.of`); returns ``(new_carry, None)`` as the scan would.
+
+    Example:
+        >>> x, _ = capture(loop, x, params["layers"], seen)  # doctest: +SKIP
+    """
     carry = jax.tree_util.tree_leaves(init)
     stacked = jax.tree_util.tree_leaves(xs)
     consts = [jnp.asarray(c) for c in loop.consts]
