@@ -187,9 +187,7 @@ class _Pricing:
         self.final.state.conflicts = dict(self._settled_conflicts)
         return self.final
 
-    def settled_changes(
-        self, prop: Propagator
-    ) -> tuple[dict[int, list[DimSharding]], Propagator]:
+    def settled_changes(self, prop: Propagator) -> tuple[dict[int, list[DimSharding]], Propagator]:
         """The values whose layout differs from this plan's once ``prop`` (this plan's
         propagation with a decision added) is settled as `decide` settles it, and that
         settled fork."""
