@@ -4,13 +4,15 @@ The step is `models.make_train_step` of `models.llama_loss`: the usual
 `jax.value_and_grad` of a loss whose layers run as `jax.lax.scan` over stacked
 parameters with a `jax.checkpoint`ed body, then an optax update. `auto_shard` with
 ``pipeline=jaxshard.Pipeline("stage", microbatches)`` runs the scan as a GPipe pipeline
-(``--repeats 2``: a circular one, each stage holding two chunks of layers)
+(``--schedule 1f1b``: one forward and one backward microbatch per iteration, the loss
+head run per microbatch; ``--repeats 2``: a circular one, each stage holding two chunks
+of layers)
 over the stage axis of a (stage=2, data=2, model=2) mesh, with tensor parallelism inside
 each stage and the batch on (data, stage). The example prints the plan's pipeline
 section, checks the losses and the parameters after SGD steps against the unsharded
 `jax.jit` step, and reads the collective-permutes and memory from the compiled program.
 
-    python examples/pipeline.py [--steps 2] [--microbatches 4] [--repeats 2]
+    python examples/pipeline.py [--steps 2] [--microbatches 4] [--schedule 1f1b] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
     parser.add_argument(
         "--repeats", type=int, default=1, help="above 1: the circular schedule, chunks per stage"
     )
@@ -61,7 +64,7 @@ def main(argv=None) -> None:
     train_step = models.make_train_step(functools.partial(models.llama_loss, cfg=cfg), opt)
 
     mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
-    schedule = "circular" if args.repeats > 1 else "gpipe"
+    schedule = "circular" if args.repeats > 1 else args.schedule
     pipeline = jaxshard.Pipeline(
         axis="stage", microbatches=args.microbatches, schedule=schedule, repeats=args.repeats
     )

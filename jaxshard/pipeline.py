@@ -228,10 +228,10 @@ class PipelinedLoop:
         elif self.schedule == "1f1b":
             held = f"{_layers(self.layers // s)} each"
             schedule = (
-                f"  1F1B schedule: {s - 1} iterations forward only, {m} of one microbatch "
+                f"  1F1B schedule: {_iterations(s - 1)} forward only, {m} of one microbatch "
                 f"forward and another backward on every stage (the loss head runs per "
-                f"microbatch), {s - 1} backward only; each stage holds the inputs of at most "
-                f"2S-1 = {self.held} microbatches and recomputes its layers backward; bubble "
+                f"microbatch), {s - 1} backward only; each stage holds its layers' inputs for at most "
+                f"2S-1 = {self.held} microbatches and recomputes inside each layer backward; bubble "
                 f"(S-1)/(M+S-1) = {self.bubble:.1%} of each stage's work is discarded"
             )
         else:
@@ -293,6 +293,10 @@ def replica_axes(plan: Any, pipeline: Pipeline) -> tuple[str, ...]:
         if pin.kind is PinKind.MICROBATCHES and len(pin.dims) > 1 and pin.dims[0] == ():
             axes += [a for a in plan.dims[vid][1] or () if a != pipeline.axis and a not in axes]
     return tuple(axes)
+
+
+def _iterations(n: int) -> str:
+    return f"{n} iteration" + ("s" if n != 1 else "")
 
 
 def _layers(n: int) -> str:

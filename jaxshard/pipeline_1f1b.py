@@ -72,7 +72,7 @@ def _merge(values: list, idx: list[int], new: list) -> list:
     return out
 
 
-def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, **kw) -> Callable:
+def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, *more, **kw) -> Callable:
     """`jax.value_and_grad` while a 1F1B pipeline is planned: the loss runs as one loop
     of forward and backward microbatches when it qualifies (module doc), else as JAX
     differentiates it (the layer scan then runs on the GPipe schedule).
@@ -81,7 +81,7 @@ def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, **kw) -> Cal
         >>> with intercepting(Pipeline("stage", 8, schedule="1f1b"), mesh):  # doctest: +SKIP
         ...     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     """
-    plain = ORIGINAL_VALUE_AND_GRAD(fun, argnums, has_aux, **kw)
+    plain = ORIGINAL_VALUE_AND_GRAD(fun, argnums, has_aux, *more, **kw)
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
@@ -94,6 +94,7 @@ def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, **kw) -> Cal
             or seen.busy
             or seen.capturing
             or kwargs
+            or more
             or kw.get("holomorphic")
         ):
             return plain(*args, **kwargs)
@@ -107,13 +108,13 @@ def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, **kw) -> Cal
     return wrapped
 
 
-def grad(fun: Callable, argnums=0, has_aux: bool = False, **kw) -> Callable:
+def grad(fun: Callable, argnums=0, has_aux: bool = False, *more, **kw) -> Callable:
     """`jax.grad` while a 1F1B pipeline is planned (`value_and_grad`).
 
     Example:
         >>> grads = jax.grad(loss_fn)(params, batch)  # doctest: +SKIP
     """
-    both = value_and_grad(fun, argnums, has_aux, **kw)
+    both = value_and_grad(fun, argnums, has_aux, *more, **kw)
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):

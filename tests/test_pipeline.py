@@ -350,7 +350,7 @@ def test_1f1b_explained_saved_and_loaded(one_f_one_b_runs, pipe_mesh):
     assert (loop.schedule, loop.iterations, loop.held, loop.note) == ("1f1b", 4 + 2, 3, "")
     assert loop.bubble == pytest.approx(1 / 5)  # GPipe's (S-1)/(M+S-1)
     text = plan.explain()
-    assert "1F1B schedule: 1 iterations forward only, 4 of one microbatch forward" in text
+    assert "1F1B schedule: 1 iteration forward only, 4 of one microbatch forward" in text
     assert "bubble (S-1)/(M+S-1) = 20.0%" in text
     record = plan.to_json()
     (saved_loop,) = json.loads(record)["pipeline"]
