@@ -57,12 +57,20 @@ from jaxshard import pipeline_1f1b
 from jaxshard.annotate import PinKind, hint_p
 from jaxshard.errors import ShardingError
 from jaxshard.jax_compat import caller_line
-from jaxshard.pipeline_body import ORIGINAL_SCAN, Rejected, independence, microbatched
+from jaxshard.pipeline_body import (
+    ORIGINAL_SCAN,
+    Rejected,
+    activate,
+    active_interception,
+    independence,
+    microbatched,
+)
 from jaxshard.pipeline_moves import (
     CHUNK,
     chunk_policy,
     interleave,
     join,
+    pin_origins,
     replicate,
     shift,
     split,
@@ -351,7 +359,6 @@ class Interception:
         )
 
 
-_ACTIVE = threading.local()  # the Interception of the planning on this thread, if any
 # `jax.lax.scan` is the interceptor while any thread plans a pipeline; `_scan` passes the
 # calls of every other thread through, and the last interception to end restores it
 _PATCH = threading.Lock()
@@ -378,8 +385,7 @@ def intercepting(
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     seen = Interception(pipeline, sizes[pipeline.axis], sizes, tuple(replicas))
     global _PLANNING
-    outer = getattr(_ACTIVE, "value", None)
-    _ACTIVE.value = seen
+    outer = activate(seen)
     with _PATCH:
         _PLANNING += 1
         jax.lax.scan = _scan
@@ -388,7 +394,7 @@ def intercepting(
     try:
         yield seen
     finally:
-        _ACTIVE.value = outer
+        activate(outer)
         with _PATCH:
             _PLANNING -= 1
             if _PLANNING == 0:
@@ -397,14 +403,9 @@ def intercepting(
                 jax.grad = pipeline_1f1b.ORIGINAL_GRAD
 
 
-def active_interception() -> Interception | None:
-    """The `Interception` of the planning tracing on this thread, if any."""
-    return getattr(_ACTIVE, "value", None)
-
-
 def _scan(f, init, xs=None, length=None, reverse=False, unroll=1, _split_transpose=False):
     """`jax.lax.scan`, pipelined when it qualifies (module doc)."""
-    seen: Interception | None = getattr(_ACTIVE, "value", None)
+    seen: Interception | None = active_interception()
     plain = (f, init, xs, length, reverse, unroll, _split_transpose)
     if seen is None or seen.busy:
         return ORIGINAL_SCAN(*plain)
@@ -539,9 +540,7 @@ class _Loop:
         stacked = jax.tree_util.tree_leaves(xs)
         if self.reverse:  # layers L-1 ... 0: the same pipeline over the flipped stack
             stacked = [jnp.flip(x, 0) for x in stacked]
-        layers = (PinKind.PIPELINE, f"the pipeline's stages (scan at {self.line})")
-        slots = (PinKind.MICROBATCHES, f"the pipeline's microbatch slots (scan at {self.line})")
-        whole = (PinKind.MICROBATCHES, f"the pipeline's microbatches (scan at {self.line})")
+        layers, slots, whole = pin_origins(self.line)
 
         def pin(x, spec, origin=slots):
             return hint_p.bind(x, spec=spec, origin=origin)

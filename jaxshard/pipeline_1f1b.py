@@ -42,10 +42,16 @@ import numpy as np
 from jax.extend.core import Literal, jaxpr_as_fun
 from jax.sharding import PartitionSpec as P
 
-from jaxshard.annotate import PinKind, hint_p
+from jaxshard.annotate import hint_p
 from jaxshard.jax_compat import MultipleResultsPrimitive, bind_with_source, without_dead_code
-from jaxshard.pipeline_body import ORIGINAL_SCAN, Rejected, head_sums, microbatched
-from jaxshard.pipeline_moves import join, shift, split, unsplit
+from jaxshard.pipeline_body import (
+    ORIGINAL_SCAN,
+    Rejected,
+    active_interception,
+    head_sums,
+    microbatched,
+)
+from jaxshard.pipeline_moves import join, pin_origins, shift, split, unsplit
 
 ORIGINAL_VALUE_AND_GRAD = jax.value_and_grad
 ORIGINAL_GRAD = jax.grad
@@ -85,8 +91,6 @@ def value_and_grad(fun: Callable, argnums=0, has_aux: bool = False, *more, **kw)
 
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
-        from jaxshard.pipeline import active_interception
-
         seen = active_interception()
         if (
             seen is None
@@ -350,10 +354,7 @@ def _one_f_one_b(split_loss: _SplitLoss, carry, stacked, consts, ext):
     seen = split_loss.seen
     s, m, axis, n_carry = loop.stages, loop.m, loop.axis, loop.n_carry
     per, ring = loop.layers // s, 2 * s - 1
-    line = loop.line
-    layers_pin = (PinKind.PIPELINE, f"the pipeline's stages (scan at {line})")
-    slots = (PinKind.MICROBATCHES, f"the pipeline's microbatch slots (scan at {line})")
-    whole = (PinKind.MICROBATCHES, f"the pipeline's microbatches (scan at {line})")
+    layers_pin, slots, whole = pin_origins(loop.line)
 
     def pin(x, spec, origin=slots):
         return hint_p.bind(x, spec=spec, origin=origin)

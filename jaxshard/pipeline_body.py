@@ -11,6 +11,7 @@ per-layer ``xs``; values the body closes over that carry the batch are found on 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import jax
@@ -32,6 +33,34 @@ ORIGINAL_SCAN = jax.lax.scan  # the body's own scans run unpipelined
 
 class Rejected(Exception):
     """A scan that does not qualify, with the reason."""
+
+
+# the `jaxshard.pipeline.Interception` of the planning tracing on this thread, if any:
+# read by the interceptors of `jax.lax.scan` and of `jax.value_and_grad`/`jax.grad`
+_ACTIVE = threading.local()
+
+
+def active_interception():
+    """The `Interception` of the planning tracing on this thread, if any.
+
+    Example:
+        >>> active_interception() is None  # outside `jaxshard.pipeline.intercepting`
+        True
+    """
+    return getattr(_ACTIVE, "value", None)
+
+
+def activate(seen):
+    """Make ``seen`` (an `Interception`, or None) this thread's; returns the one it
+    replaces, to restore afterwards.
+
+    Example:
+        >>> outer = activate(seen)  # doctest: +SKIP
+        >>> activate(outer)  # doctest: +SKIP
+    """
+    outer = active_interception()
+    _ACTIVE.value = seen
+    return outer
 
 
 # --- proving the body treats the batch independently ------------------------------------

@@ -14,11 +14,28 @@ from jax.extend.core import ClosedJaxpr
 from jax.extend.core import primitives as prims
 from jax.sharding import PartitionSpec as P
 
+from jaxshard.annotate import PinKind
+
 # a circular stage's weights for the current pass are a slice of its chunks, taken per
 # layer inside a checkpoint that recomputes it for the backward pass: saved, the loop
 # would keep a copy of the chunk's weights per iteration; recomputed, it keeps the
 # stored chunks once, as GPipe keeps its stage's layers
 CHUNK = "jaxshard_pipeline_chunk"
+
+
+def pin_origins(line: str) -> tuple:
+    """The origins of a pipelined loop's pins (`hint_p` ``origin=``): the stacked layers
+    on the stage axis, a buffer of one slot per stage, every microbatch's buffer.
+
+    Example:
+        >>> pin_origins("model.py:40")[1][1]
+        "the pipeline's microbatch slots (scan at model.py:40)"
+    """
+    return (
+        (PinKind.PIPELINE, f"the pipeline's stages (scan at {line})"),
+        (PinKind.MICROBATCHES, f"the pipeline's microbatch slots (scan at {line})"),
+        (PinKind.MICROBATCHES, f"the pipeline's microbatches (scan at {line})"),
+    )
 
 
 def chunk_policy(body: ClosedJaxpr):
