@@ -162,13 +162,14 @@ def independence(closed: ClosedJaxpr, n_carry: int, n_xs: int, m: int) -> _Analy
 
 # primitives through which a value that is a sum over microbatches stays one, given which
 # operands may be such sums: "all" (every operand: add), "first" (a scale or divisor
-# that does not depend on the rows: div), "one" (exactly one operand: mul, dot_general)
+# that does not depend on the rows: div), "one" (exactly one operand: mul, dot_general);
+# calls (jit) are inlined in the graph, region links pass their values on unchanged
 _LINEAR = {
     "add": "all", "add_any": "all", "sub": "all", "neg": "all", "reduce_sum": "all",
     "reshape": "all", "squeeze": "all", "expand_dims": "all", "broadcast_in_dim": "all",
-    "transpose": "all", "convert_element_type": "all", "copy": "all", "copy_p": "all",
-    "sharding_constraint": "all", "jaxshard_hint": "all", "pjit": "all", "jit": "all",
-    "closed_call": "all", "div": "first", "mul": "one", "dot_general": "one",
+    "transpose": "all", "convert_element_type": "all", "copy": "all",
+    "sharding_constraint": "all", "jaxshard_hint": "all",
+    "div": "first", "mul": "one", "dot_general": "one",
 }  # fmt: skip
 
 
