@@ -20,6 +20,7 @@ from jaxshard.cost.collectives import (  # noqa: F401
     _platform,
     _step_collectives,
     combines_all_reduces,
+    copies_transposed_operands,
     halo_collectives,
     has_reduce_scatter,
     partial_groups,
@@ -37,6 +38,7 @@ from jaxshard.cost.memory import (  # noqa: F401
     buffer_bytes,
     fused_liveness,
     memory_estimate,
+    transposed_operands,
 )
 from jaxshard.cost.schedule import (  # noqa: F401
     _INLINED_CALLS,

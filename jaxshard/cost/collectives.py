@@ -421,6 +421,19 @@ def combines_all_reduces(mesh) -> bool:
     return _platform(mesh) == "cpu"
 
 
+def copies_transposed_operands(mesh) -> bool:
+    """Whether the devices of ``mesh`` copy a matmul operand whose dims are not in their
+    kernels' order (`jaxshard.cost.transposed_operands`): XLA's CPU backend does;
+    accelerators' matmuls read either order.
+
+    Example:
+        >>> import jax
+        >>> copies_transposed_operands(jax.make_mesh((1,), ("data",)))  # on a CPU
+        True
+    """
+    return _platform(mesh) == "cpu"
+
+
 def _platform(mesh) -> str | None:
     """The platform of ``mesh``'s devices; None for an abstract mesh (planned for an
     accelerator)."""

@@ -14,12 +14,14 @@ from jaxshard.cost import (
     MemoryEstimate,
     bitcasts,
     combines_all_reduces,
+    copies_transposed_operands,
     fused_liveness,
     liveness,
     memory_estimate,
     per_device_bytes,
     reads_of,
     schedule,
+    transposed_operands,
     xla_scope,
 )
 from jaxshard.plan.apps import dead_apps
@@ -47,6 +49,8 @@ class PlanMemory:
         views = bitcasts(g, self.dims, self.axis_sizes, {r.app for r in self.reshards})
         live = fused_liveness(g, liveness(g, dead_apps(g), ready, views))
         copies = self.moved_copies(live, reduced)
+        if copies_transposed_operands(self.mesh):
+            copies += transposed_operands(g, self.dims, self.axis_sizes, live)
         return memory_estimate(g, self.dims, self.axis_sizes, self.out_dims, live, copies)
 
     def moved_copies(
