@@ -38,6 +38,7 @@ from jaxshard.cost.memory import (  # noqa: F401
     buffer_bytes,
     fused_liveness,
     memory_estimate,
+    transient_peaks,
     transposed_operands,
 )
 from jaxshard.cost.schedule import (  # noqa: F401

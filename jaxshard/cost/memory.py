@@ -158,7 +158,9 @@ def fused_liveness(graph, live: Liveness, extend: bool = True) -> Liveness:
                 if o in producer and contracts(graph.apps[producer[o]]):
                     squeezable[o] = int(at[a])
                 break
-    return Liveness(owner, live.start, end, kept, live.stacked, live.schedule, squeezable)
+    return Liveness(
+        owner, live.start, end, kept, live.stacked, live.schedule, squeezable, live.span
+    )
 
 
 def memory_estimate(
@@ -228,9 +230,53 @@ def memory_estimate(
     for first, last, b in extra:
         delta[first] += int(b)
         delta[last + 1] -= int(b)
+    for t, excess in transient_peaks(live, end, sizes):
+        delta[t] -= excess
+        delta[t + 1] += excess
     curve = np.cumsum(delta)[:n_apps]
     peak = int(np.argmax(curve))
     return MemoryEstimate(args, results, int(curve[peak]), peak)
+
+
+def transient_peaks(live: Liveness, end: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int]]:
+    """Where the schedule puts a run of applications at one time (the work XLA hoists
+    before a loop: a pipeline's loss head before its last loop), the buffers made and
+    freed within that run are not all alive at once: they come and go in program order.
+    Per such time, ``(time, bytes)`` to take off the sum of those buffers (``sizes``, in
+    the order of ``live.intermediates``; ``end``: their ends) for the peak of the run.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.cost import liveness
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> g = build_graph(trace(lambda x: jnp.sin(jnp.cos(x)) * 2, (jnp.ones(4),), {}), {})
+        >>> live = liveness(g)
+        >>> transient_peaks(live, live.end, np.array([16, 16]))  # each at a time of its own
+        []
+    """
+    groups: dict[int, list[tuple[int, int, int]]] = {}
+    for i, v in enumerate(live.intermediates):
+        v = int(v)
+        t = int(live.start[v])
+        if t == end[v] and sizes[i] and v in live.span:
+            first, last = live.span[v]
+            groups.setdefault(t, []).append((first, last, int(sizes[i])))
+    out = []
+    for t, members in groups.items():
+        if len(members) < 2:
+            continue
+        events = sorted(
+            [(f, b) for f, _, b in members] + [(last + 1, -b) for _, last, b in members]
+        )
+        now = peak = 0
+        for _, b in events:
+            now += b
+            peak = max(peak, now)
+        total = sum(b for *_, b in members)
+        if total > peak:
+            out.append((t, total - peak))
+    return out
 
 
 def transposed_operands(

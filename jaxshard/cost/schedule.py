@@ -202,6 +202,10 @@ class Liveness:
     # a contraction's result written over in place by its reader (its buffer ends before
     # that time) -> the time it ends if the contraction's layout has a unit dim
     squeezable: Mapping[int, int] = field(default_factory=dict)
+    # per owner, the first application that makes it and the last that reads it, in
+    # program order: the order within a run of applications the schedule moves to one
+    # time (`transient_peaks`)
+    span: Mapping[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def liveness(
@@ -268,9 +272,16 @@ def liveness(
     link_body = getattr(graph, "link_body", {})
     sched = schedule(graph, ready)
     at = sched.at
+    span: dict[int, list[int]] = {}
     for a, app in enumerate(graph.apps):
         if a in skip or app.kind is AppKind.TIE:
             continue
+        for v in (*app.operands, *app.results):
+            hit = span.get(owner[v])
+            if hit is None:
+                span[owner[v]] = [a, a]
+            else:
+                hit[1] = a
         t = int(at[a])
         if app.kind is AppKind.LINK:
             for v, r in zip(app.operands, app.results):
@@ -305,7 +316,9 @@ def liveness(
     end = np.maximum(end, start)  # a result nothing reads lives at its own equation
     start = np.where(keep, start, -1)
     end = np.where(keep, end, -1)
-    return Liveness(owner, start, end, np.flatnonzero(keep), stacked, sched)
+    kept = np.flatnonzero(keep)
+    spans = {int(o): (span[o][0], span[o][1]) for o in kept if start[o] == end[o]}
+    return Liveness(owner, start, end, kept, stacked, sched, span=spans)
 
 
 def bitcasts(graph, dims: Sequence[Sequence[DimSharding]], axis_sizes, moved: set[int]) -> set[int]:
