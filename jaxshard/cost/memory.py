@@ -1,6 +1,8 @@
 """Memory per device: the buffers XLA's fusion never makes (`fused_liveness`), the
 plan's estimate (`memory_estimate`: arguments, results and the largest live set of
-intermediates) and its curve over the schedule (`MemoryCurve`).
+intermediates, with work the schedule runs at one time peaking in program order:
+`transient_peaks`), the transposed copies XLA's CPU matmuls read
+(`transposed_operands`), and the estimate's curve over the schedule (`MemoryCurve`).
 """
 
 from __future__ import annotations
