@@ -257,13 +257,17 @@ def transient_peaks(live: Liveness, end: np.ndarray, sizes: np.ndarray) -> list[
         >>> transient_peaks(live, live.end, np.array([16, 16]))  # each at a time of its own
         []
     """
+    if not live.span:
+        return []
+    inter = live.intermediates
+    # memory_estimate runs per layout the search prices: select the few candidates at once
+    (picked,) = np.nonzero((live.start[inter] == end[inter]) & (sizes[: len(inter)] > 0))
     groups: dict[int, list[tuple[int, int, int]]] = {}
-    for i, v in enumerate(live.intermediates):
-        v = int(v)
-        t = int(live.start[v])
-        if t == end[v] and sizes[i] and v in live.span:
+    for i in picked:
+        v = int(inter[i])
+        if v in live.span:
             first, last = live.span[v]
-            groups.setdefault(t, []).append((first, last, int(sizes[i])))
+            groups.setdefault(int(live.start[v]), []).append((first, last, int(sizes[i])))
     out = []
     for t, members in groups.items():
         if len(members) < 2:
