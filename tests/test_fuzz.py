@@ -273,8 +273,7 @@ def test_hinted_dims_keep_their_layout(case):
 def test_propagating_again_changes_nothing(case):
     plan = _plan(case)
     prop = Propagator(plan.graph, plan.axis_sizes)
-    prop.state.dims = [list(d) for d in plan.dims]
-    prop.state.origins = [list(o) for o in plan.origins]
+    prop.state.layouts = [list(row) for row in plan.layouts]
     prop._enqueue(range(len(plan.graph.apps)))
     prop.run()
     assert tuple(tuple(d) for d in prop.state.dims) == plan.dims

@@ -46,8 +46,7 @@ def test_hint_inside_function(mesh):
 def test_propagating_again_changes_nothing(mesh):
     plan = make_plan(mlp2, (X, W1, W2), {}, mesh, {"x": P("data"), "w1": P(None, "model")})
     prop = Propagator(plan.graph, plan.axis_sizes)
-    prop.state.dims = [list(d) for d in plan.dims]
-    prop.state.origins = [list(o) for o in plan.origins]
+    prop.state.layouts = [list(row) for row in plan.layouts]
     prop._enqueue(range(len(plan.graph.apps)))
     prop.run()
     assert tuple(tuple(d) for d in prop.state.dims) == plan.dims
@@ -176,14 +175,14 @@ def test_a_returned_plan_does_not_change(mesh):
     prop.pin(plan0.graph.in_vids[0], Pin(((), ()), "test"))
     prop.run()
     plan = Plan(plan0.traced, plan0.graph, prop, mesh)
-    dims, origins, out_dims = plan.dims, [list(o) for o in plan.origins], plan.out_dims
+    dims, layouts, out_dims = plan.dims, plan.layouts, plan.out_dims
     # the propagator going on (as the search's retries do) must not reach into the plan
     prop.pin(plan0.graph.in_vids[1], Pin(((), ("model",)), "later"))
     prop.run()
-    assert (plan.dims, [list(o) for o in plan.origins], plan.out_dims) == (dims, origins, out_dims)
-    for layouts in (plan.dims, plan.origins, plan.out_dims):
+    assert (plan.dims, plan.layouts, plan.out_dims) == (dims, layouts, out_dims)
+    for table in (plan.dims, plan.layouts, plan.out_dims):
         with pytest.raises(TypeError):
-            layouts[0] = None
+            table[0] = None
 
 
 def _projections(x, wq, wk, wv):

@@ -55,7 +55,7 @@ def test_a_budget_holds_when_the_time_limit_stops_the_solver(gpt, mesh, share):
 def test_plans_are_immutable(mesh):
     x, w = jnp.ones((8, 16)), jnp.ones((16, 32))
     plan = jaxshard.make_plan(lambda x, w: x @ w, (x, w), {}, mesh, {"x": P("data")})
-    for name in ("dims", "out_dims", "origins", "reshards", "search_result", "graph"):
+    for name in ("dims", "out_dims", "layouts", "reshards", "search_result", "graph"):
         with pytest.raises(AttributeError, match="immutable"):
             setattr(plan, name, None)
     assert isinstance(plan.dims, tuple) and isinstance(plan.dims[0], tuple)
@@ -75,7 +75,7 @@ def test_a_fork_inside_a_trial_keeps_its_writes_out_of_the_parents_journal():
         trial.pin(g.in_vids[1], Pin((None, ("model",)), "hint"))
         trial.run()
         assert written == []  # the fork's writes are its own
-    assert prop.state.dims[g.out_vids[0]] == [None, None]
+    assert prop.state.dims[g.out_vids[0]] == (None, None)
 
 
 def _moe_step(opt=None):
@@ -277,7 +277,8 @@ def test_internal_records_say_what_they_are(mesh):
     g = plan.graph
     assert {type(app.kind) for app in g.apps} == {AppKind}
     assert {app.kind for app in g.apps} >= {AppKind.EQN, AppKind.LINK}
-    assert {type(o.kind) for row in plan.origins for o in row if o is not None} == {OriginKind}
+    assert {type(s.kind) for row in plan.layouts for s in row} == {OriginKind}
+    assert all(not s.open for row in plan.layouts for s in row)  # a plan leaves nothing open
     from jaxshard.rule import region_fn_for
 
     scan = next(

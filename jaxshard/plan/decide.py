@@ -5,7 +5,7 @@ the `Plan` is made (`decide`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from jax.sharding import Mesh
 
@@ -27,7 +27,7 @@ from jaxshard.plan.apps import app_moves, dead_apps, duplicate_app
 from jaxshard.plan.record import Plan
 from jaxshard.propagate import (
     DEFAULT_RANK,
-    Origin,
+    DimState,
     OriginKind,
     Propagator,
 )
@@ -79,7 +79,7 @@ def sink_stacked_gathers(graph: Graph, prop: Propagator) -> None:
     Example:
         >>> sink_stacked_gathers(plan.graph, prop)  # doctest: +SKIP
     """
-    dims, origins = prop.state.dims, prop.state.origins
+    dims, layouts = prop.state.dims, prop.state.layouts
     for a, app in enumerate(graph.apps):
         if app.kind is not AppKind.LINK or a in graph.out_links or len(app.results) != 1:
             continue  # only a loop's stacked inputs: an out-link carries a body's result
@@ -96,10 +96,9 @@ def sink_stacked_gathers(graph: Graph, prop: Propagator) -> None:
             continue  # not a gather: the body's layout is not coarser than the stack's
         for d, axes in enumerate(stored):
             if axes != used[d]:
-                dims[piece][d] = axes
-                origins[piece][d] = Origin(
-                    OriginKind.PROPAGATED, app=a, source=stack, source_dim=d + 1,
-                    rank=origins[stack][d + 1].rank if origins[stack][d + 1] else DEFAULT_RANK,
+                layouts[piece][d] = DimState(
+                    axes, OriginKind.PROPAGATED, app=a, source=stack, source_dim=d + 1,
+                    rank=layouts[stack][d + 1].rank,
                 )  # fmt: skip
 
 
@@ -162,22 +161,22 @@ class _Pricing:
     def price(self, changed: dict[int, list[DimSharding]]) -> tuple[float, int, bool, dict]:
         """``(extra collective cost, memory, moved, per-application costs)`` with the
         values in ``changed`` laid out as given there."""
-        dims = self.final.state.dims
+        layouts = self.final.state.layouts
         touched: set = {a for v in changed for a in self.final.uses[v] if a in self.apps}
         touched |= {
             ("returned", r) for r, i in self.returned.items() if r in changed or i in changed
         }
         before = {a: self._app(a) for a in touched}
-        old = {v: dims[v] for v in changed}
+        old = {v: layouts[v] for v in changed}
         costs = {}
         try:
             for v, new in changed.items():
-                dims[v] = new
+                layouts[v] = _with_axes(layouts[v], new)
             for a in touched:
                 costs[a] = self._price_of(a)
         finally:
-            for v, d in old.items():
-                dims[v] = d
+            for v, row in old.items():
+                layouts[v] = row
         extra = sum(c[0] - before[a][0] for a, c in costs.items())
         moved = sum(c[1] - before[a][1] for a, c in costs.items()) > 0
         return extra, self.memory.total_with(changed), moved, costs
@@ -193,20 +192,30 @@ class _Pricing:
         settled fork."""
         final = prop.fork()
         settle_open(final)
-        now, old = final.state.dims, self.final.state.dims
-        return {v: now[v] for v in range(len(now)) if now[v] != old[v]}, final
+        now, old = final.state.layouts, self.final.state.layouts
+        return {
+            v: [s.axes for s in now[v]]
+            for v in range(len(now))
+            if any(s.axes != t.axes for s, t in zip(now[v], old[v]))
+        }, final
 
     def keep(
         self, changed: dict[int, list[DimSharding]], costs: dict[int, tuple[float, float]]
     ) -> None:
         """Make a priced change part of the plan."""
-        dims = self.final.state.dims
+        layouts = self.final.state.layouts
         for v, new in changed.items():
-            dims[v] = new
+            layouts[v] = _with_axes(layouts[v], new)
         self.cost  # noqa: B018 - the total before the change, then moved by the delta
         self._cost += sum(c[0] - self._app(a)[0] for a, c in costs.items())
         self.costs.update(costs)
         self.memory.update(changed)
+
+
+def _with_axes(row: list[DimState], axes: Sequence[DimSharding]) -> list[DimState]:
+    """``row`` with its dims' axes replaced by ``axes`` (origins and ranks kept: the pricing
+    of a layout change decides no conflict by them differently)."""
+    return [s._replace(axes=x) for s, x in zip(row, axes)]
 
 
 def _return_cost(prop: Propagator, r: int, arg: int, reduce_scatter: bool) -> tuple[float, float]:
@@ -364,10 +373,10 @@ def _split_for_memory(
 
 def _relabel(prop: Propagator, vid: int, pin: Pin) -> None:
     """Give the dims ``pin`` set on ``vid`` the pin's text as their origin."""
-    origins = prop.state.origins[vid]
+    row = prop.state.layouts[vid]
     for d, axes in enumerate(pin.dims):
         if axes is not None:
-            origins[d] = origins[d]._replace(text=pin.source)
+            row[d] = row[d]._replace(text=pin.source)
 
 
 def _split_options(graph: Graph, dims, vid: int, sizes: Mapping[str, int]) -> list[tuple[int, str]]:

@@ -20,7 +20,7 @@ from jaxshard.graph import AppKind, Graph, find_root
 from jaxshard.lattice import DimSharding, spec_entry
 from jaxshard.propagate import (
     STORAGE_RANK,
-    Origin,
+    DimState,
     OriginKind,
     Propagator,
 )
@@ -147,7 +147,7 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
     Example:
         >>> store_updates(graph, prop, storage)  # doctest: +SKIP
     """
-    dims, origins = prop.state.dims, prop.state.origins
+    dims, layouts = prop.state.dims, prop.state.layouts
     producer: dict[int, int] = {}
     for a, app in enumerate(graph.apps):
         for v in app.results if app.kind is not AppKind.TIE else ():
@@ -198,11 +198,11 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
                 if arg in seen or arg in prop.hinted or not _refines(layout, dims[arg]):
                     continue
                 seen.add(arg)
-                _store(dims[arg], origins[arg], layout, f"{pin.source}, its optimizer state")
+                _store(layouts[arg], layout, f"{pin.source}, its optimizer state")
                 prop.hinted.add(arg)
                 prop.hinted.add(v)
             if v in stacked_results:
-                _store(dims[v], origins[v], layout, f"{pin.source}, its update")
+                _store(layouts[v], layout, f"{pin.source}, its update")
                 continue
             a = producer.get(v)
             if a is None or xla_scope(graph.apps[a].where):
@@ -210,16 +210,15 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
             app = graph.apps[a]
             if not all(f.plain for f in app.rule.factors):
                 continue  # the gradient: sliced where the update reads it
-            _store(dims[v], origins[v], layout, f"{pin.source}, its update")
+            _store(layouts[v], layout, f"{pin.source}, its update")
             work.extend(zip(app.operands, _operand_layouts(app, v, layout)))
 
 
-def _store(dims: list, origins: list, layout: Sequence[DimSharding], text: str) -> None:
+def _store(row: list[DimState], layout: Sequence[DimSharding], text: str) -> None:
     """Write a storage layout's set dims into one value's state."""
     for d, axes in enumerate(layout):
-        if axes is not None and dims[d] != axes:
-            dims[d] = axes
-            origins[d] = Origin(OriginKind.HINT, text, rank=STORAGE_RANK)
+        if axes is not None and row[d].axes != axes:
+            row[d] = DimState(axes, OriginKind.HINT, text, rank=STORAGE_RANK)
 
 
 def _operand_layouts(app, v: int, layout) -> list[tuple[DimSharding, ...]]:

@@ -7,6 +7,7 @@ record imports nothing above itself."""
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -34,7 +35,7 @@ from jaxshard.plan.apps import analyzed_apps, app_moves
 from jaxshard.plan.memory import PlanMemory
 from jaxshard.propagate import (
     Conflict,
-    Origin,
+    DimState,
     OriginKind,
     Propagator,
 )
@@ -138,8 +139,12 @@ class Plan(PlanMemory):
         # the layouts are copied into tuples: the propagator may go on, the plan may not
         self.traced, self.graph, self.mesh = traced, graph, mesh
         self.axis_sizes = mesh_axis_sizes(mesh)
-        self.dims: tuple[tuple[DimSharding, ...], ...] = tuple(map(tuple, prop.state.dims))
-        self.origins: tuple[tuple[Origin | None, ...], ...] = tuple(map(tuple, prop.state.origins))
+        # each dim's state (axes, origin, rank), and their axes alone for the many readers
+        self.layouts: tuple[tuple[DimState, ...], ...] = tuple(map(tuple, prop.state.layouts))
+        axes = operator.attrgetter("axes")
+        self.dims: tuple[tuple[DimSharding, ...], ...] = tuple(
+            [tuple(map(axes, row)) for row in self.layouts]
+        )
         self.conflicts: list[Conflict] = list(prop.state.conflicts.values())
         self.visits = prop.state.visits
         self.search_result: Any = None  # set by search_hints before it returns the plan
@@ -349,33 +354,27 @@ class Plan(PlanMemory):
             "dim 1: propagated from params/l0/wq (hint 'params/.*/wq': P(None, 'model')) via ..."
         """
         texts = []
-        for d, origin in enumerate(self.origins[vid]):
-            if origin is not None and (self.dims[vid][d] or origin.kind is OriginKind.HINT):
+        for d, s in enumerate(self.layouts[vid]):
+            if not s.open and (s.axes or s.kind is OriginKind.HINT):
                 texts.append(f"dim {d}: {self._describe_origin(vid, d)}")
         return "; ".join(texts) or "replicated: nothing sharded it"
 
     def _describe_origin(self, vid: int, d: int) -> str:
-        origin = self.origins[vid][d]
+        origin = self.layouts[vid][d]
         if origin.kind is not OriginKind.PROPAGATED:
             return origin.text
         via = self.graph.apps[origin.app].describe()
         seen = set()
         args = set(self.graph.in_vids)
-        while origin is not None and origin.kind is OriginKind.PROPAGATED and (vid, d) not in seen:
+        while origin.kind is OriginKind.PROPAGATED and (vid, d) not in seen:
             seen.add((vid, d))
             vid, d = origin.source, origin.source_dim
-            origin = self.origins[vid][d]
+            origin = self.layouts[vid][d]
             name = self.graph.names.get(vid)
-            if name is not None and (
-                vid in args or origin is None or origin.kind is not OriginKind.PROPAGATED
-            ):
-                hint = (
-                    f" ({origin.text})"
-                    if origin is not None and origin.kind is OriginKind.HINT
-                    else ""
-                )
+            if name is not None and (vid in args or origin.kind is not OriginKind.PROPAGATED):
+                hint = f" ({origin.text})" if origin.kind is OriginKind.HINT else ""
                 return f"propagated from {name} dim {d}{hint} via {via}"
-        if origin is not None and origin.kind is OriginKind.HINT:
+        if origin.kind is OriginKind.HINT:
             return f"propagated from {origin.text} via {via}"
         return f"propagated via {via}"
 

@@ -21,7 +21,7 @@ from jaxshard.propagate.vocabulary import (
     DEFAULT_RANK,
     Conflict,
     ConflictKey,
-    Origin,
+    DimState,
     Proposal,
     _axis_twice,
     _copies_operand,
@@ -33,26 +33,27 @@ class ConflictPolicy:
     """`Propagator`'s decisions between shardings that meet (a mixin: the state, graph
     and cost model are the propagator's)."""
 
-    def _resolve_value(self, vid: int, d: int, proposals: list[Proposal]) -> tuple[Axes, Origin]:
-        props = [(p[0], self._origin(p)) for p in proposals]
+    def _resolve_value(self, vid: int, d: int, proposals: list[Proposal]) -> DimState:
+        """The state written where proposals that differ reach one open dim in a round."""
+        props = [self._propagated(p) for p in proposals]
         options: dict[Axes, list[tuple[int, int]]] = {}
-        for axes, origin in props:
-            holders = options.setdefault(axes, [])
-            if (origin.source, origin.source_dim) not in holders:
-                holders.append((origin.source, origin.source_dim))
-        top = max(o.rank for _, o in props)
-        pool = sorted({axes for axes, o in props if o.rank == top})
+        for s in props:
+            holders = options.setdefault(s.axes, [])
+            if (s.source, s.source_dim) not in holders:
+                holders.append((s.source, s.source_dim))
+        top = max(s.rank for s in props)
+        pool = sorted({s.axes for s in props if s.rank == top})
         chosen, reason = self._decide(pool, options, ranked=top > DEFAULT_RANK)
         name = self.graph.names.get(vid, f"%{vid}")
-        origin = max((o for axes, o in props if axes == chosen), key=lambda o: o.rank)
+        won = max((s for s in props if s.axes == chosen), key=lambda s: s.rank)
         self.state.conflicts[ConflictKey(None, value=vid, dim=d)] = Conflict(
-            origin.app,
+            won.app,
             f"dim {d} of {name}",
             options,
             chosen,
             "reached in the same round; " + reason,
         )
-        return chosen, origin
+        return won
 
     def _decide(
         self,
@@ -91,8 +92,8 @@ class ConflictPolicy:
         options: dict[Axes, list[tuple[int, int]]] = {}
         for axes, vid, d in cands:
             options.setdefault(axes, []).append((vid, d))
-        origins = self.state.origins
-        rank = {c: origins[c[1]][c[2]].rank for c in cands}
+        layouts = self.state.layouts
+        rank = {c: layouts[c[1]][c[2]].rank for c in cands}
         top = max(rank.values())
         pool = sorted({c[0] for c in cands if rank[c] == top})
         results = set(self.graph.apps[a].results)
@@ -133,11 +134,11 @@ class ConflictPolicy:
     def _give_axes(self, a: int, values, cands, axes: Axes, fs: list[int]) -> None:
         """`_give_each_axis_once` for one group of ``axes`` held by the factors ``fs``."""
         factors = self.graph.apps[a].rule.factors
-        origins = self.state.origins
+        layouts = self.state.layouts
         holders = {
             f: [(vid, d) for held, vid, d in cands.get(f, ()) if set(axes) & set(held)] for f in fs
         }
-        rank = {f: max((origins[v][d].rank for v, d in holders[f]), default=0) for f in fs}
+        rank = {f: max((layouts[v][d].rank for v, d in holders[f]), default=0) for f in fs}
         top = max(rank.values())
         pool = [f for f in fs if rank[f] == top]
         costs = {}
@@ -174,7 +175,7 @@ class ConflictPolicy:
         the working one (a partial sum over the reduction factors' axes) to theirs. Open
         dims cost nothing. A windowed factor split adds its halo exchange, or, where its
         shards would need more than a halo, is worked whole."""
-        g, dims = self.graph, self.state.dims
+        g, dims = self.graph, self.state.dims  # each read a tuple of the value's axes
         rule = g.apps[a].rule
         vids = self._vids[a]
         n_operands = len(g.apps[a].operands)
@@ -237,15 +238,15 @@ class ConflictPolicy:
         if v not in app.operands:
             return False
         t = app.operands.index(v)
-        rule, vids, dims = app.rule, self._vids[b], self.state.dims
+        rule, vids, layouts = app.rule, self._vids[b], self.state.layouts
         for d in moved:
             fl = rule.operands[t][d]
             if len(fl) != 1:
                 return False
             known = [
-                dims[vids[t2]][d2]
+                layouts[vids[t2]][d2].axes
                 for t2, d2, fl2, _ in self._struct[b][2]
-                if t2 != t and fl2 == fl and dims[vids[t2]][d2] is not None
+                if t2 != t and fl2 == fl and not layouts[vids[t2]][d2].open
             ]
             if not known or any(k != want[d] for k in known):
                 return False

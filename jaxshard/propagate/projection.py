@@ -40,13 +40,13 @@ class Projection:
         mesh axis shards two factors)."""
         single, compound, _, _ = self._struct[a]
         vids = self._vids[a]
-        dims = self.state.dims
+        layouts = self.state.layouts
         values: dict[int, Axes] = {}
         sources: dict[int, tuple[int, int]] = {}
         conflict = False
         for t, d, f in single:
             vid = vids[t]
-            s = dims[vid][d]
+            s = layouts[vid][d].axes
             if s is None:
                 continue
             prev = values.get(f)
@@ -57,7 +57,7 @@ class Projection:
                 conflict = True
         for t, d, fl, sizes, need in compound:
             vid = vids[t]
-            s = dims[vid][d]
+            s = layouts[vid][d].axes
             if s is None:
                 continue
             parts, _ = self._split(s, sizes)
@@ -78,14 +78,14 @@ class Projection:
         """Per factor at application ``a``: every known (axes, value, dim) holding it."""
         single, compound, _, _ = self._struct[a]
         vids = self._vids[a]
-        dims = self.state.dims
+        layouts = self.state.layouts
         cands: dict[int, list[tuple[Axes, int, int]]] = {}
         for t, d, f in single:
-            s = dims[vids[t]][d]
+            s = layouts[vids[t]][d].axes
             if s is not None:
                 cands.setdefault(f, []).append((s, vids[t], d))
         for t, d, fl, sizes, need in compound:
-            s = dims[vids[t]][d]
+            s = layouts[vids[t]][d].axes
             if s is None:
                 continue
             parts, _ = self._split(s, sizes)
@@ -103,10 +103,10 @@ class Projection:
         if reductions is None:
             return False
         vids = self._vids[a]
-        dims = self.state.dims
+        layouts = self.state.layouts
         values: dict[int, Axes] = {}
         for t, d, f in single:
-            s = dims[vids[t]][d]
+            s = layouts[vids[t]][d].axes
             if s is None or values.setdefault(f, s) != s:
                 return False
         for f in reductions:

@@ -1,11 +1,11 @@
-"""The words of propagation: a dim's origin (`Origin`, `OriginKind`) and rank, a
-conflict and its key, the per-value `State`, a round's `Proposal`, and a rule indexed
-for the hot path (`_compile`).
+"""The words of propagation: a dim's layout state (`DimState`: its axes, where they came
+from, `OriginKind`, and their rank), a conflict and its key, the per-value `State`, a
+round's `Proposal`, and a rule indexed for the hot path (`_compile`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple
@@ -45,21 +45,40 @@ class ConflictKey(NamedTuple):
 class OriginKind(StrEnum):
     """Where a dim's sharding came from."""
 
+    OPEN = "open"  # nothing has reached it yet
     HINT = "hint"  # a pin: a hint, an annotation, a storage layout
     PROPAGATED = "propagated"  # through an application, from another value's dim
     DEFAULT = "default"  # nothing reached it: replicated (or a size-1 dim)
 
 
-class Origin(NamedTuple):
-    """Why a dim has its sharding: a hint, propagation through an app, or a default.
-    (A named tuple: one is made per propagated dim, so it must be cheap to create.)"""
+class DimState(NamedTuple):
+    """One dim's layout state: its mesh axes (``None`` while open), why it has them (a
+    hint, propagation through an application from another value's dim, or a default),
+    and their priority when they meet another layout in a conflict. Frozen: a write puts
+    a new record in the dim's place, so a trial's journal keeps the old one whole. (A
+    named tuple: one is made per propagated dim, so it must be cheap to create.)
 
-    kind: OriginKind
+    Example:
+        >>> s = DimState(("data",), OriginKind.HINT, "batch", rank=HINT_RANK)
+        >>> s.open, OPEN_DIM.open, s._replace(axes=()).rank
+        (False, True, 2)
+    """
+
+    axes: DimSharding = None
+    kind: OriginKind = OriginKind.OPEN
     text: str = ""
     app: int = -1  # for "propagated": the application it came through
     source: int = -1  # for "propagated": the value it came from
     source_dim: int = -1  # ... and that value's dim
-    rank: int = 0  # its pin's priority in conflicts: DEFAULT_RANK, STORAGE_RANK or HINT_RANK
+    rank: int = DEFAULT_RANK  # priority in conflicts: DEFAULT_RANK, STORAGE_RANK or HINT_RANK
+
+    @property
+    def open(self) -> bool:
+        """Whether nothing has reached this dim yet."""
+        return self.axes is None
+
+
+OPEN_DIM = DimState()
 
 
 @dataclass
@@ -75,12 +94,39 @@ class Conflict:
 
 @dataclass
 class State:
-    """Per value, per dim: the sharding (None = open) and its origin."""
+    """Per value, per dim: its layout state (`DimState`); the conflicts decided on the
+    way, and how many visits it took."""
 
-    dims: list[list[DimSharding]]
-    origins: list[list[Origin | None]]
+    layouts: list[list[DimState]]
     conflicts: dict[ConflictKey, Conflict] = field(default_factory=dict)
     visits: int = 0
+
+    @property
+    def dims(self) -> AxesView:
+        """The axes of every value's dims (``None``: open), read-only: a write goes
+        through `layouts`, with its origin."""
+        return AxesView(self.layouts)
+
+
+class AxesView(Sequence):
+    """``view[v]``: the axes of value ``v``'s dims, a tuple made from its layout states
+    on each read (read-only; the hot paths read `State.layouts` directly).
+
+    Example:
+        >>> AxesView([[OPEN_DIM, DimState(("x",), OriginKind.HINT)]])[0]
+        (None, ('x',))
+    """
+
+    __slots__ = ("_layouts",)
+
+    def __init__(self, layouts: Sequence[Sequence[DimState]]):
+        self._layouts = layouts
+
+    def __getitem__(self, v):
+        return tuple([s.axes for s in self._layouts[v]])
+
+    def __len__(self) -> int:
+        return len(self._layouts)
 
 
 def _compile(rule) -> tuple:

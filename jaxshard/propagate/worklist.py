@@ -15,13 +15,14 @@ from jaxshard.cost import (
 )
 from jaxshard.errors import JaxshardBug
 from jaxshard.graph import AppKind, Graph
-from jaxshard.lattice import DimSharding, join_axes, split_axes
+from jaxshard.lattice import join_axes, split_axes
 from jaxshard.propagate.conflicts import ConflictPolicy
 from jaxshard.propagate.projection import Projection
 from jaxshard.propagate.vocabulary import (
     DEFAULT_RANK,
     HINT_RANK,
-    Origin,
+    OPEN_DIM,
+    DimState,
     OriginKind,
     Proposal,
     State,
@@ -45,7 +46,7 @@ class Propagator(Projection, ConflictPolicy):
         >>> prop.pin(g.in_vids[1], Pin((None, ("model",)), "hint"))
         >>> prop.run()
         >>> prop.state.dims[g.out_vids[0]]
-        [('data',), ('model',)]
+        (('data',), ('model',))
     """
 
     def __init__(
@@ -54,12 +55,10 @@ class Propagator(Projection, ConflictPolicy):
         self.graph = graph
         self.axis_sizes = dict(axis_sizes)
         self.cost_model = cost_model
-        dims = [[() if s == 1 else None for s in shape] for shape in graph.shapes]
-        origins: list[list[Origin | None]] = [
-            [Origin(OriginKind.DEFAULT, "size-1 dim") if s == 1 else None for s in shape]
-            for shape in graph.shapes
-        ]
-        self.state = State(dims, origins)
+        size_one = DimState((), OriginKind.DEFAULT, "size-1 dim")
+        self.state = State(
+            [[size_one if s == 1 else OPEN_DIM for s in shape] for shape in graph.shapes]
+        )
         self.uses = graph.uses()
         compiled: dict[int, tuple] = {}  # per Rule object: repeated layers share one
         self._struct = [
@@ -81,7 +80,7 @@ class Propagator(Projection, ConflictPolicy):
         self._waits = bytearray(len(graph.shapes))  # see `_feed`
         self._waiting: set[int] = set()  # applications that proposed into them (`run`)
         self._fed_for: tuple[int, int] | None = None
-        self._journal: list | None = None  # while `trying`: (value, dim, old axes, old origin)
+        self._journal: list | None = None  # while `trying`: (value, dim, old state)
         self._queue: deque[int] = deque()
         self._queued = bytearray(len(graph.apps))
         axis_sizes = self.axis_sizes  # not self: a cycle would keep the whole state alive
@@ -101,10 +100,7 @@ class Propagator(Projection, ConflictPolicy):
         other.__dict__.update(self.__dict__)
         state = self.state
         other.state = State(
-            [list(d) for d in state.dims],
-            [list(o) for o in state.origins],
-            dict(state.conflicts),
-            state.visits,
+            [list(row) for row in state.layouts], dict(state.conflicts), state.visits
         )
         other.hinted = set(self.hinted)
         other._queue = deque(self._queue)
@@ -129,10 +125,10 @@ class Propagator(Projection, ConflictPolicy):
         self.__dict__.update(fork.__dict__)
 
     @contextmanager
-    def trying(self) -> Iterator[list[tuple[int, int, DimSharding, Origin | None]]]:
+    def trying(self) -> Iterator[list[tuple[int, int, DimState]]]:
         """Pin and propagate a decision tentatively: every write inside the block is
-        journaled (``(value, dim, old axes, old origin)``, yielded) and undone on exit,
-        with the conflicts it recorded.
+        journaled (``(value, dim, old state)``, yielded) and undone on exit, with the
+        conflicts it recorded.
 
         Example:
             >>> with prop.trying() as written:  # doctest: +SKIP
@@ -146,10 +142,9 @@ class Propagator(Projection, ConflictPolicy):
             yield journal
         finally:
             self._journal = None
-            dims, origins = self.state.dims, self.state.origins
-            for vid, d, axes, origin in reversed(journal):
-                dims[vid][d] = axes
-                origins[vid][d] = origin
+            layouts = self.state.layouts
+            for vid, d, old in reversed(journal):
+                layouts[vid][d] = old
             self.state.conflicts, self.hinted, self.state.visits = conflicts, hinted, visits
             self._queue.clear()
             self._deferred = {}
@@ -160,33 +155,35 @@ class Propagator(Projection, ConflictPolicy):
         """Set the dims a user pinned (a hint) and queue their applications. ``rank``
         (`HINT_RANK` or `STORAGE_RANK`) is the priority of what propagates from them when
         it meets another hint's layout in a conflict."""
-        dims, origins = self.state.dims[vid], self.state.origins[vid]
+        row = self.state.layouts[vid]
         self.hinted.add(vid)
         pinned = {ax for value in pin.dims if value for ax in value}
         if self._journal is not None:
-            self._journal.extend((vid, d, dims[d], origins[d]) for d in range(len(dims)))
+            self._journal.extend((vid, d, old) for d, old in enumerate(row))
         for d, value in enumerate(pin.dims):
+            held = row[d].axes
             if value is not None:
-                dims[d] = value
-                origins[d] = Origin(OriginKind.HINT, pin.source, rank=rank)
-            elif dims[d] and pinned.intersection(dims[d]):
+                row[d] = DimState(value, OriginKind.HINT, pin.source, rank=rank)
+            elif held and pinned.intersection(held):
                 # propagation reached this dim before the pin (a storage pin comes after
                 # the computation's layout): the pinned dims keep their axes
-                dims[d] = tuple(ax for ax in dims[d] if ax not in pinned)
-                origins[d] = Origin(
-                    OriginKind.HINT, f"{pin.source} (its axes removed here)", rank=rank
+                row[d] = DimState(
+                    tuple(ax for ax in held if ax not in pinned),
+                    OriginKind.HINT,
+                    f"{pin.source} (its axes removed here)",
+                    rank=rank,
                 )
         self._enqueue(self.uses[vid])
 
     def default(self, vids: Iterable[int], text: str) -> None:
         """Fill every still-open dim of ``vids`` as replicated, then propagate from them."""
+        replicated = DimState((), OriginKind.DEFAULT, text)
         for vid in vids:
-            dims = self.state.dims[vid]
+            row = self.state.layouts[vid]
             touched = False
-            for d, value in enumerate(dims):
-                if value is None:
-                    dims[d] = ()
-                    self.state.origins[vid][d] = Origin(OriginKind.DEFAULT, text)
+            for d, s in enumerate(row):
+                if s.axes is None:
+                    row[d] = replicated
                     touched = True
             if touched:
                 self._enqueue(self.uses[vid])
@@ -296,29 +293,29 @@ class Propagator(Projection, ConflictPolicy):
         """Write a round's proposals. A value that changed queues its applications again,
         except a proposer that wrote exactly this sharding after a conflict-free visit
         without compound dims: visiting it again would find nothing new."""
-        dims, origins, uses = self.state.dims, self.state.origins, self.uses
+        layouts, uses = self.state.layouts, self.uses
         queued, queue, journal = self._queued, self._queue, self._journal
         for (vid, d), props in proposals.items():
-            state = dims[vid]
-            if state[d] is not None:
+            row = layouts[vid]
+            if row[d].axes is not None:
                 continue
             first = props[0]
             axes, first_app, _, _, first_quiet = first
             if len(props) > 1 and any(p[0] != axes for p in props):
-                axes, origin = self._resolve_value(vid, d, props)
+                new = self._resolve_value(vid, d, props)
+                axes = new.axes
             else:
-                origin = None
-            if axes and any(ax in other for other in state if other for ax in axes):
+                new = None
+            if axes and any(ax in s.axes for s in row if s.axes for ax in axes):
                 continue  # an axis may shard one dim only; the final pass records a reshard
-            if origin is None:
-                origin = self._origin(first)
-                if len(props) > 1 and origin.rank < HINT_RANK:  # agreeing proposals: the
-                    found = [self._origin(p) for p in props[1:]]  # highest-ranked origin
-                    origin = max([origin, *found], key=lambda o: o.rank)
+            if new is None:
+                new = self._propagated(first)
+                if len(props) > 1 and new.rank < HINT_RANK:  # agreeing proposals: the
+                    found = [self._propagated(p) for p in props[1:]]  # highest-ranked origin
+                    new = max([new, *found], key=lambda s: s.rank)
             if journal is not None:
-                journal.append((vid, d, None, origins[vid][d]))
-            state[d] = axes
-            origins[vid][d] = origin
+                journal.append((vid, d, row[d]))
+            row[d] = new
             if len(props) == 1:
                 skip = first_app if first_quiet else -1
                 for u in uses[vid]:
@@ -332,15 +329,17 @@ class Propagator(Projection, ConflictPolicy):
                         queued[u] = 1
                         queue.append(u)
 
-    def _origin(self, proposal: Proposal) -> Origin:
-        _, app, src, src_dim, _ = proposal
-        root = self.state.origins[src][src_dim] if src >= 0 else None
-        return Origin(
+    def _propagated(self, proposal: Proposal) -> DimState:
+        """The state a proposal writes: its axes, propagated through its application
+        from its source dim, with the source's rank."""
+        axes, app, src, src_dim, _ = proposal
+        return DimState(
+            axes,
             OriginKind.PROPAGATED,
             app=app,
             source=src,
             source_dim=src_dim,
-            rank=DEFAULT_RANK if root is None else root.rank,
+            rank=self.state.layouts[src][src_dim].rank if src >= 0 else DEFAULT_RANK,
         )
 
     def _visit(
@@ -356,11 +355,11 @@ class Propagator(Projection, ConflictPolicy):
         _, compound, writable, _ = self._struct[a]
         quiet = not conflict and not compound  # see `_apply`
         vids = self._vids[a]
-        dims = self.state.dims
+        layouts = self.state.layouts
         deferred, fed, is_link, waits = self._deferred, self._fed, self._is_link, self._waits
         for t, d, fl, sizes in writable:
             vid = vids[t]
-            if dims[vid][d] is not None:
+            if layouts[vid][d].axes is not None:
                 continue
             if len(fl) == 1:
                 new = values.get(fl[0])
