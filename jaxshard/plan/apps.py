@@ -5,6 +5,7 @@ operands and results each moves into or out of the layout it works in (`app_move
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from jaxshard.cost import (
     per_device_bytes,
@@ -126,7 +127,14 @@ def _reduces(app) -> bool:
     return app.eqn is not None and any(f.kind is FactorKind.REDUCTION for f in app.rule.factors)
 
 
-Move = tuple[int, tuple[DimSharding, ...], tuple[DimSharding, ...], frozenset[str]]
+class Move(NamedTuple):
+    """One value an equation moves: from the layout ``src`` to ``dst``, summing its
+    pending partial over ``partial`` (a result of a contraction over sharded axes)."""
+
+    vid: int
+    src: tuple[DimSharding, ...]
+    dst: tuple[DimSharding, ...]
+    partial: frozenset[str]
 
 
 def app_moves(
@@ -139,7 +147,7 @@ def app_moves(
 
     Example:
         >>> app_moves(prop, {"data": 2}, 5)  # doctest: +SKIP
-        ([(17, (('data',), ()), ((), ()), frozenset())], frozenset())
+        ([Move(vid=17, src=(('data',), ()), dst=((), ()), partial=frozenset())], frozenset())
     """
     dims = prop.state.dims
     graph = prop.graph
@@ -156,14 +164,14 @@ def app_moves(
         gathered = _gathered_instead(graph, dims, wants, axes, axis_sizes, a)
         if gathered is not None:
             return gathered, frozenset()
-    moves: list[Move] = [
-        (vid, tuple(dims[vid]), tuple(work), frozenset())
+    moves = [
+        Move(vid, dims[vid], tuple(work), frozenset())
         for vid, work in wants.items()
         if vid not in results
     ]
     for r in results:
         if axes or r in wants:
-            moves.append((r, tuple(wants.get(r, dims[r])), tuple(dims[r]), axes))
+            moves.append(Move(r, tuple(wants.get(r, dims[r])), dims[r], axes))
     return moves, axes
 
 
@@ -194,9 +202,9 @@ def _gathered_instead(graph, dims, wants, axes, axis_sizes, a) -> list[Move] | N
         graph.shapes[r], graph.dtypes[r], out, axis_sizes
     ):
         return None
-    moves: list[Move] = [(x, tuple(dims[x]), whole, frozenset())]
+    moves = [Move(x, dims[x], whole, frozenset())]
     if r in wants:
-        moves.append((r, out, tuple(dims[r]), frozenset()))
+        moves.append(Move(r, out, dims[r], frozenset()))
     return moves
 
 

@@ -76,10 +76,12 @@ class Propagator(Projection, ConflictPolicy):
         self._producer = graph.producers()
         self._is_link = bytearray(app.kind is AppKind.LINK for app in graph.apps)
         self._links = [a for a, app in enumerate(graph.apps) if app.kind is AppKind.LINK]
-        self._fed = bytearray(len(graph.shapes))  # see `_feed`
-        self._waits = bytearray(len(graph.shapes))  # see `_feed`
+        # see `_feed`: a function of the hinted values alone, never written once made (a
+        # fork shares them)
+        self._fed = bytearray(len(graph.shapes))
+        self._waits = bytearray(len(graph.shapes))
         self._waiting: set[int] = set()  # applications that proposed into them (`run`)
-        self._fed_for: tuple[int, int] | None = None
+        self._fed_for: frozenset[int] | None = None  # the hinted values they were made for
         self._journal: list | None = None  # while `trying`: (value, dim, old state)
         self._queue: deque[int] = deque()
         self._queued = bytearray(len(graph.apps))
@@ -106,8 +108,6 @@ class Propagator(Projection, ConflictPolicy):
         other._queue = deque(self._queue)
         other._queued = bytearray(self._queued)
         other._deferred = {k: list(v) for k, v in self._deferred.items()}
-        other._fed = bytearray(self._fed)
-        other._waits = bytearray(self._waits)
         other._waiting = set(self._waiting)
         other._journal = None  # a fork made inside `trying` writes into its own state only
         return other
@@ -138,6 +138,7 @@ class Propagator(Projection, ConflictPolicy):
         journal: list = []
         self._journal = journal
         conflicts, hinted, visits = dict(self.state.conflicts), set(self.hinted), self.state.visits
+        fed = self._fed_for, self._fed, self._waits
         try:
             yield journal
         finally:
@@ -146,6 +147,7 @@ class Propagator(Projection, ConflictPolicy):
             for vid, d, old in reversed(journal):
                 layouts[vid][d] = old
             self.state.conflicts, self.hinted, self.state.visits = conflicts, hinted, visits
+            self._fed_for, self._fed, self._waits = fed
             self._queue.clear()
             self._deferred = {}
             self._waiting = set()
@@ -254,8 +256,8 @@ class Propagator(Projection, ConflictPolicy):
         from inside the loop waits (`run`) until the argument's layout has come in. And
         mark the unhinted arguments and the values that pass them on unchanged (the same
         equations, a loop's slice): what reaches them waits for their uses to settle."""
-        key = (id(self.hinted), len(self.hinted))
-        if self._fed_for == key:  # hints are added, never removed, but by `trying`'s undo
+        key = frozenset(self.hinted)
+        if self._fed_for == key:  # a fork, or the end of a trial, has the same hints
             return
         self._fed_for = key
         apps, producer = self.graph.apps, self._producer
