@@ -424,6 +424,13 @@ class MemoryCurve:
             [self._bytes(v, dims[v]) for v in self.live.intermediates], dtype=np.int64
         )
         self.dims = dims
+        # each argument's and result's bytes, counted once per time it is held
+        held = [*self.args, *self.results]
+        self._held = {v: self._bytes(v, dims[v]) for v in held}
+        self._held_total = sum(self._held[v] for v in held)
+        self._times_held = dict.fromkeys(held, 0)
+        for v in held:
+            self._times_held[v] += 1
         self.total = self.total_with({})
 
     def _bytes(self, v: int, dims) -> int:
@@ -436,17 +443,22 @@ class MemoryCurve:
             i = self.position.get(v)
             if i is not None:
                 self.sizes[i] = self._bytes(v, self.dims[v])
+            if v in self._held:
+                new = self._bytes(v, self.dims[v])
+                self._held_total += (new - self._held[v]) * self._times_held[v]
+                self._held[v] = new
         self.total = self.total_with({})
 
     def total_with(self, changed: Mapping[int, Sequence[DimSharding]]) -> int:
         """Arguments + results + peak activations with the values in ``changed`` laid out
         as given there and every other value as at construction."""
-        layout = lambda v: changed.get(v, self.dims[v])  # noqa: E731
-        args = sum(self._bytes(v, layout(v)) for v in self.args)
-        results = sum(self._bytes(v, layout(v)) for v in self.results)
+        held = self._held_total
+        for v, layout in changed.items():
+            if v in self._held:
+                held += (self._bytes(v, layout) - self._held[v]) * self._times_held[v]
         live = self.live
         if not len(live.intermediates) or not self.graph.apps:
-            return args + results
+            return held
         sizes = self.sizes
         moved = [(self.position[v], v) for v in changed if v in self.position]
         if moved:
@@ -457,4 +469,4 @@ class MemoryCurve:
         delta = np.zeros(n_apps + 1, dtype=np.int64)
         np.add.at(delta, live.start[live.intermediates], sizes)
         np.add.at(delta, live.end[live.intermediates] + 1, -sizes)
-        return args + results + int(np.cumsum(delta)[:n_apps].max())
+        return held + int(np.cumsum(delta)[:n_apps].max())
