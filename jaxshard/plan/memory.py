@@ -47,9 +47,10 @@ class PlanMemory:
         reduced = self._reduction_times(schedule(g).at)
         ready = {self.reshards[i].vid: t for i, t in reduced.items()}
         views = bitcasts(g, self.dims, self.axis_sizes, {r.app for r in self.reshards})
-        live = fused_liveness(g, liveness(g, dead_apps(g), ready, views))
+        cpu = copies_transposed_operands(self.mesh)
+        live = fused_liveness(g, liveness(g, dead_apps(g), ready, views), matmul_epilogues=cpu)
         copies = self.moved_copies(live, reduced)
-        if copies_transposed_operands(self.mesh):
+        if cpu:
             copies += transposed_operands(g, self.dims, self.axis_sizes, live)
         return memory_estimate(g, self.dims, self.axis_sizes, self.out_dims, live, copies)
 

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec
 from jaxshard.annotate import ExactPath
 from jaxshard.cost import (
     Liveness,
+    copies_transposed_operands,
     liveness,
     nbytes,
     step_bytes,
@@ -50,7 +51,9 @@ class Problem(DimClasses, Terms, MemoryModel):
         self.dead = dead_apps(graph)
         # buffers as XLA's fusion leaves them: the budget is compared with what the
         # compiled program allocates
-        self.live: Liveness = fused_liveness(graph, liveness(graph, self.dead))
+        self.live: Liveness = fused_liveness(
+            graph, liveness(graph, self.dead), matmul_epilogues=copies_transposed_operands(mesh)
+        )
         self.user_budget = memory_budget
         self._pins(hints)
         # whole choices the integer program may not take (`jaxshard.search._repriced`)
