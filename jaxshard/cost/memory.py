@@ -1,4 +1,5 @@
-"""Memory per device: the buffers XLA's fusion never makes (`fused_liveness`), the
+"""Memory per device: the buffers XLA's fusion never makes (`fused_liveness`; on CPU
+with the epilogues fused into batched matmuls, `_epilogue_regions`), the
 plan's estimate (`memory_estimate`: arguments, results and the largest live set of
 intermediates, with work the schedule runs at one time peaking in program order:
 `transient_peaks`), the transposed copies XLA's CPU matmuls read
@@ -52,8 +53,9 @@ def fused_liveness(
     graph, live: Liveness, extend: bool = True, matmul_epilogues: bool = False
 ) -> Liveness:
     """``live`` less the buffers XLA's fusion never makes: a value an elementwise
-    equation computes and only elementwise equations read is recomputed inside its
-    readers' fusions, not stored (the backward pass reads such residuals of the
+    equation computes (operands broadcast over size-1 dims included, `_row_broadcast`)
+    and only elementwise equations read is recomputed inside its readers' fusions, not
+    stored (the backward pass reads such residuals of the
     forward's elementwise chains, say a layer norm's centred input, from their
     operands), unless an `EXPENSIVE` equation makes it for several readers (silu's
     sigmoid, read by the forward's product and the backward's derivative). With
@@ -105,7 +107,11 @@ def fused_liveness(
     # a value read inside a loop it is not made in is the loop's operand: XLA fuses only
     # within one computation, so it is stored (a mask broadcast JAX hoisted out of a scan)
     def fusible(a: int) -> bool:  # XLA fuses a broadcast into its readers too
-        return is_elementwise(a) or graph.apps[a].eqn.primitive.name == "broadcast_in_dim"
+        return (
+            is_elementwise(a)
+            or graph.apps[a].eqn.primitive.name == "broadcast_in_dim"
+            or _row_broadcast(graph, graph.apps[a])
+        )
 
     # XLA's fusion duplicates a producer into each of several readers only when it is
     # cheap: an expensive one (an exponential, a division) read twice is stored
@@ -156,7 +162,7 @@ def fused_liveness(
 
     for v in stored:
         a = producer.get(v)
-        if a is None or not is_elementwise(a):
+        if a is None or not (is_elementwise(a) or _row_broadcast(graph, graph.apps[a])):
             continue
         for o in inputs(a):
             if (
@@ -171,6 +177,30 @@ def fused_liveness(
     return Liveness(
         owner, live.start, end, kept, live.stacked, live.schedule, squeezable, live.span
     )
+
+
+def _row_broadcast(graph, app) -> bool:
+    """Whether ``app`` is elementwise with operands broadcast over size-1 dims (JAX binds
+    ``s - m`` for ``s[b, h, q, k]`` and ``m[b, h, q, 1]`` as it is): XLA fuses it into
+    an elementwise reader, broadcast included.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> f = lambda s: jnp.exp(s - s.max(-1, keepdims=True))
+        >>> g = build_graph(trace(f, (jnp.ones((4, 8)),), {}), {})
+        >>> [a.eqn.primitive.name for a in g.apps if _row_broadcast(g, a)]
+        ['sub']
+    """
+    if app.kind is not AppKind.EQN or not app.results or not all(f.plain for f in app.rule.factors):
+        return False
+    shape = graph.shapes[app.results[0]]
+    return all(
+        len(graph.shapes[u]) == len(shape)
+        and all(s in (1, r) for s, r in zip(graph.shapes[u], shape))
+        for u in app.operands
+    ) and any(graph.shapes[u] != shape for u in app.operands)
 
 
 # what XLA's CPU backend fuses into a batched matmul after it (the `__ynn_fusion` that
@@ -229,8 +259,8 @@ def _epilogue_regions(graph, owner, producer, readers, scope) -> tuple[set[int],
                     if r not in region and takes(r, where):
                         region.add(r)
                         todo.append(r)
-        if len(region) == 1:
-            continue
+        if not any(graph.apps[r].eqn.primitive.name == "reduce_sum" for r in region):
+            continue  # no row sum: XLA runs the matmul alone, its epilogue in a loop fusion
         for r in region:
             for v in graph.apps[r].results:
                 o = owner[v]

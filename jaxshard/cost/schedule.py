@@ -215,8 +215,9 @@ def liveness(
     bitcasts: Iterable[int] = (),
 ) -> Liveness:
     """Lifetimes of a graph's buffers: produced by their first equation, freed after their
-    last use, in the times of XLA's `schedule` (``ready`` as there); arguments and
-    results live for the whole call and are not intermediates. Applications in ``skip``
+    last use, in the times of XLA's `schedule` (``ready`` as there), a loop's consts until
+    the loop's last application (`_hold_loop_consts`); arguments and results live for
+    the whole call and are not intermediates. Applications in ``skip``
     (dead code) neither produce nor use anything; those in ``bitcasts`` (`bitcasts`: a
     layout's reshapes that keep each device's data as it is) make no buffer of their own.
 
