@@ -105,9 +105,9 @@ def _batch_dims(dims, vid: int) -> list[int]:
 def _rows_kept_apart(graph: Graph, prop: Propagator, a: int, what: str) -> None:
     """`Rejected` unless application ``a`` works in the layouts its values hold as far as
     the pseudo axis goes (no row mixed with another)."""
-    dims = prop.state.dims
+    layouts = prop.state.layouts
     for vid, d, want in prop.working(a)[0]:
-        held, wanted = dims[vid][d] or (), want or ()
+        held, wanted = layouts[vid][d].axes or (), want or ()
         if (MICROBATCH in held) != (MICROBATCH in wanted):
             raise Rejected(f"{what} mixes batch rows at {graph.apps[a].describe()}")
 

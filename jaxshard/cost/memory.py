@@ -8,6 +8,7 @@ intermediates, with work the schedule runs at one time peaking in program order:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -96,6 +97,14 @@ def fused_liveness(
             )
         return hit
 
+    loose: dict[int, bool] = {}
+
+    def is_loosely_elementwise(a: int) -> bool:  # size-1 broadcasts allowed
+        hit = loose.get(a)
+        if hit is None:
+            hit = loose[a] = is_elementwise(a) or _row_broadcast(graph, graph.apps[a])
+        return hit
+
     scopes: dict[int, tuple] = {}
 
     def scope(a: int) -> tuple:
@@ -107,11 +116,7 @@ def fused_liveness(
     # a value read inside a loop it is not made in is the loop's operand: XLA fuses only
     # within one computation, so it is stored (a mask broadcast JAX hoisted out of a scan)
     def fusible(a: int) -> bool:  # XLA fuses a broadcast into its readers too
-        return (
-            is_elementwise(a)
-            or graph.apps[a].eqn.primitive.name == "broadcast_in_dim"
-            or _row_broadcast(graph, graph.apps[a])
-        )
+        return is_loosely_elementwise(a) or graph.apps[a].eqn.primitive.name == "broadcast_in_dim"
 
     # XLA's fusion duplicates a producer into each of several readers only when it is
     # cheap: an expensive one (an exponential, a division) read twice is stored
@@ -162,7 +167,7 @@ def fused_liveness(
 
     for v in stored:
         a = producer.get(v)
-        if a is None or not (is_elementwise(a) or _row_broadcast(graph, graph.apps[a])):
+        if a is None or not is_loosely_elementwise(a):
             continue
         for o in inputs(a):
             if (
@@ -533,12 +538,9 @@ class MemoryCurve:
         )
         self.dims = dims
         # each argument's and result's bytes, counted once per time it is held
-        held = [*self.args, *self.results]
-        self._held = {v: self._bytes(v, dims[v]) for v in held}
-        self._held_total = sum(self._held[v] for v in held)
-        self._times_held = dict.fromkeys(held, 0)
-        for v in held:
-            self._times_held[v] += 1
+        self._times_held = Counter([*self.args, *self.results])
+        self._held = {v: self._bytes(v, dims[v]) for v in self._times_held}
+        self._held_total = sum(b * self._times_held[v] for v, b in self._held.items())
         self.total = self.total_with({})
 
     def _bytes(self, v: int, dims) -> int:

@@ -338,6 +338,7 @@ def _hold_loop_consts(graph, sched: Schedule, owner, made, skip, end: np.ndarray
     last = np.full(len(starts), -1, dtype=np.int64)
     np.maximum.at(last, loop, inside)
     first = np.array(starts, dtype=np.int64)
+    held_to = sched.at[np.maximum(last, 0)]  # each loop's last time
     for a, k in zip(inside.tolist(), loop.tolist()):
         app = graph.apps[a]
         if a in skip or app.kind is not AppKind.EQN:
@@ -349,9 +350,8 @@ def _hold_loop_consts(graph, sched: Schedule, owner, made, skip, end: np.ndarray
             if first[k] <= p <= last[k] and not top[p]:
                 continue  # made inside this loop
             o = owner[v]
-            t = int(sched.at[last[k]])
-            if end[o] < t:
-                end[o] = t
+            if end[o] < held_to[k]:
+                end[o] = held_to[k]
 
 
 def bitcasts(graph, dims: Sequence[Sequence[DimSharding]], axis_sizes, moved: set[int]) -> set[int]:

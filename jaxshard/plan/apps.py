@@ -157,8 +157,9 @@ def app_moves(
     wants: dict[int, list[DimSharding]] = {}
     working, axes = prop.working(a)
     axes = axes.kept(lambda x: axis_sizes[x] > 1)  # one device: summed already
+    layouts = prop.state.layouts
     for vid, d, want in working:
-        if want is not None and dims[vid][d] != want:
+        if want is not None and layouts[vid][d].axes != want:
             wants.setdefault(vid, list(dims[vid]))[d] = want
     if axes and contracts(graph.apps[a]):
         gathered = _gathered_instead(graph, dims, wants, axes, axis_sizes, a)

@@ -186,8 +186,9 @@ class ConflictPolicy:
             for _, step in halo_collectives(rule, values, g, vids, layouts, self.axis_sizes):
                 halo += self._step_price(step)
         work: dict[int, list[DimSharding]] = {}
+        layouts = self.state.layouts
         for t, d, fl, sizes in self._struct[a][2]:
-            have = dims[vids[t]][d]
+            have = layouts[vids[t]][d].axes
             if have is None:
                 continue
             if len(fl) == 1:
