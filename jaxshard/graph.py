@@ -122,6 +122,10 @@ class Graph:
     # the link applications whose operand is the outer result a nested jaxpr's result
     # flows into (the value moves from the link's result to its operand)
     out_links: set[int] = field(default_factory=set, repr=False)
+    # the link applications tying a loop carry's body input (its operand) to its body
+    # output (its result): they run once per iteration, where the output is handed to the
+    # next iteration's input
+    carry_links: set[int] = field(default_factory=set, repr=False)
     # equations propagation does not cross (shard_map): their collectives are the program's
     boundaries: list[Boundary] = field(default_factory=list)
     unknown: dict[str, str] = field(default_factory=dict)  # primitive -> first source line
@@ -518,6 +522,7 @@ def _build_regions(
             vids = [inner[k][j] for k, j in group]
             for other in vids[1:]:
                 if other != vids[0]:
+                    g.carry_links.add(len(g.apps))
                     g.apps.append(
                         App(
                             identity_rule(g.shapes[vids[0]]),
@@ -525,7 +530,7 @@ def _build_regions(
                             (other,),
                             AppKind.LINK,
                             eqn,
-                            where[1],
+                            where,  # inside the body: once per iteration
                         )
                     )
     for i, var in enumerate(eqn.outvars):

@@ -18,7 +18,8 @@ the batch axes into ``data`` x ``fsdp``. A tensor axis never spans a slow level 
 multi-level topology (it stays within a node or a slice). Then, when the step runs a
 layer stack under `jax.lax.scan`, pipelines: a ``stage`` axis over the slowest level
 (`jaxshard.Pipeline`; on a one-level topology only when nothing else fits), for every
-stage count that divides the layers, with the most microbatches of 4S, 2S or S that
+stage count that divides the layers and the tensor degrees of the two best meshes so
+far, with the most microbatches of 4S, 2S or S that
 split the batch. A pipeline whose lower bound (the program's FLOPs spread over every
 device and stretched by the bubble, plus the activations it hands between stages) is
 no faster than the best candidate found is pruned without being searched. The best
@@ -30,6 +31,7 @@ batch axes split into ``data`` x ``fsdp``
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import warnings
@@ -390,8 +392,8 @@ def _pipelines(
 ) -> tuple[list[Candidate], Plan | None, list]:
     """The pipeline candidates: a ``stage`` axis over the topology's slowest level (on a
     one-level topology only when nothing else fits: there is no slow link for it to
-    spare), for every stage count that divides the layer stacks, the tensor degree of
-    the best candidate so far and the most microbatches of 4S, 2S, S that split the
+    spare), for every stage count that divides the layer stacks and each tensor degree
+    of the two best candidates so far, the most microbatches of 4S, 2S, S that split the
     batch evenly over the data axis; with the plan they were sized from and its layer
     stacks (`_layer_stacks`). One whose lower bound (`_floor`) is no faster than
     the best found is marked pruned and not searched."""
@@ -407,16 +409,21 @@ def _pipelines(
     outer = (
         n if len(levels) == 1 else levels[-1].size or n // math.prod(lv.size for lv in levels[:-1])
     )
-    lead = next((c for c in ranked if c.memory is not None), ranked[0])
-    wanted = lead.degrees.get("tensor", 1)
+    # the tensor degrees of the best candidates planned (as the batch axes are refined):
+    # a stage axis takes devices from the batch, so the best flat degree need not be the
+    # best pipelined one
+    planned = [c for c in ranked if c.memory is not None] or ranked[:1]
+    wanted = list(dict.fromkeys(c.degrees.get("tensor", 1) for c in planned))[:REFINED]
     best = fitting[0].seconds_per_step if fitting else math.inf
     out = []
-    for stages in range(2, outer + 1):
+    for stages, want in itertools.product(range(2, outer + 1), wanted):
         if outer % stages or any(layers % stages for layers, _, _ in stacks):
             continue
         rest = n // stages
-        tensor = max(t for t in _tensor_degrees(n, topology) if rest % t == 0 and t <= wanted)
+        tensor = max(t for t in _tensor_degrees(n, topology) if rest % t == 0 and t <= want)
         c = Candidate(*_named((stages, rest // tensor, tensor), PIPELINE_ROLES))
+        if any(c.shape == o.shape and c.axes == o.axes for o in out):
+            continue
         data = c.degrees.get("data", 1)
         fits_rows = [
             m for m in (4 * stages, 2 * stages, stages)

@@ -146,6 +146,23 @@ def test_scan_reshards_count_once_per_iteration(mesh):
     assert result.compiled_bytes == pytest.approx(result.predicted_bytes)
 
 
+def test_a_carry_handed_on_in_another_layout_is_moved_every_iteration(mesh):
+    # the carry enters split on "data" (x's hint) and leaves split on "data" and "model"
+    # (the result's): the loop keeps one layout, so every iteration gathers what the
+    # last one left before its matmul reads it
+    def f(x, w):
+        return jax.lax.scan(lambda c, wl: (jnp.tanh(c @ wl), None), x, w)[0]
+
+    args = (jnp.ones((16, 32)), jnp.ones((6, 32, 32)) / 32)
+    hints = {"x": P("data", None), "w": P(None, None, "model"), "out": P("data", "model")}
+    plan = jaxshard.make_plan(f, args, {}, mesh, hints)
+    (carry,) = [r for r in plan.reshards if r.app in plan.graph.carry_links]
+    assert carry.collectives == ("all-gather over model",) and carry.runs == 6
+    result = verify(plan)
+    assert result.ok, str(result)
+    assert result.compiled_bytes == pytest.approx(result.predicted_bytes)
+
+
 def test_while_reshards_count_once_and_say_so(mesh):
     def loop(body, x):
         return jax.lax.while_loop(lambda c: c[1] < 6, lambda c: (body(c[0], None)[0], c[1] + 1),

@@ -144,6 +144,8 @@ def app_moves(
     pending partial axes)`` for each operand brought to the layout the equation works in
     and each result taken from it (a partial sum when the equation reduces over sharded
     axes) to its own layout; and those partial axes. Moves may cost nothing (a slice).
+    A loop carry's link (`Graph.carry_links`) moves what the body returns to the layout
+    the body reads, once per iteration: XLA keeps one layout for a loop's carry.
 
     Example:
         >>> app_moves(prop, {"data": 2}, 5)  # doctest: +SKIP
@@ -154,6 +156,11 @@ def app_moves(
     results = graph.apps[a].results
     if a in graph.out_links and _slices(dims[graph.apps[a].operands[0]], dims[results[0]]):
         return [], frozenset()  # each device cuts its part of the nested result: no move
+    if a in graph.carry_links:  # each iteration's output becomes the next one's input
+        (carry_in,), (carry_out,) = graph.apps[a].operands, results
+        if dims[carry_in] == dims[carry_out]:
+            return [], frozenset()
+        return [Move(carry_in, dims[carry_out], dims[carry_in], frozenset())], frozenset()
     wants: dict[int, list[DimSharding]] = {}
     working, axes = prop.working(a)
     axes = axes.kept(lambda x: axis_sizes[x] > 1)  # one device: summed already

@@ -201,7 +201,7 @@ class Plan(PlanMemory):
             moves, axes = app_moves(prop, self.axis_sizes, a)
             for vid, src, dst, partial in moves:
                 if vid not in g.apps[a].results:
-                    self._move_operand(a, vid, dst)
+                    self._move_operand(a, vid, src, dst)
                 else:  # computed in the working layout (partial), then moved
                     if axes:
                         self.partial[vid] = axes
@@ -228,9 +228,10 @@ class Plan(PlanMemory):
                 continue
             self._add_reshard(a, vid, tuple(self.dims[vid]), out, frozenset(), returned_as=o)
 
-    def _move_operand(self, a: int, vid: int, dst: tuple[DimSharding, ...]) -> None:
-        """Operand ``vid`` of application ``a`` moves to ``dst``. The lowered program
-        constrains a copy of it at its first use in each XLA computation (`xla_scope`).
+    def _move_operand(self, a: int, vid: int, src, dst: tuple[DimSharding, ...]) -> None:
+        """Operand ``vid`` of application ``a`` moves from ``src`` (its layout; for a loop
+        carry's body input, the layout its body output hands it) to ``dst``. The lowered
+        program constrains a copy of it at its first use in each XLA computation (`xla_scope`).
         A later contraction there (a weight the backward pass multiplies by again) is
         constrained alike: XLA's common-subexpression pass merges its collective into
         the first one's, whose result stays alive until then. ``repeats`` records those
@@ -245,7 +246,7 @@ class Plan(PlanMemory):
                 return
             self.moved_again.append((a, vid, dst))
         scopes.add(scope)
-        self._add_reshard(a, vid, self.dims[vid], dst, frozenset())
+        self._add_reshard(a, vid, src, dst, frozenset())
 
     def _add_reshard(self, a, vid, src, dst, partial, returned_as: int | None = None) -> None:
         """Value ``vid`` of application ``a`` moves from ``src`` to ``dst`` (``returned_as``:
