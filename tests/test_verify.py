@@ -423,6 +423,23 @@ def test_a_move_xla_has_no_single_collective_for_goes_step_by_step(mesh):
     ]
 
 
+def test_an_axis_moved_while_another_is_added_is_exchanged_whole_then_sliced(mesh):
+    # "model" moves from the first dim to the last while "data" joins the first: in one
+    # step XLA exchanges over half of "model" and permutes the rest, collectives the plan
+    # cannot name; the lowered program exchanges over all of "model" and then slices
+    def f(x):
+        return jnp.sin(x) * 2
+
+    x = jnp.arange(16 * 2 * 32, dtype=jnp.float32).reshape(16, 2, 32)
+    hints = {"x": P("model", None, None), "out": P("data", None, "model")}
+    step = jaxshard.auto_shard(mesh, hints)(f)
+    np.testing.assert_allclose(step(x), f(x), rtol=1e-6)
+    checked = verify(step.plan(x))
+    assert checked.ok, str(checked)
+    assert [c.kind for c in checked.found] == ["all-to-all"]
+    assert checked.compiled_bytes == checked.predicted_bytes == 768  # 1 KiB, 3/4 sent
+
+
 def test_every_step_of_a_reshard_is_one_xla_has_a_collective_for():
     # every reshard of three axes over three dims (any order within a dim): each step
     # reshard_steps gives is one it would not split further, and the last is the target
