@@ -262,6 +262,7 @@ class Plan(PlanMemory):
         else:
             where = g.apps[a].describe()
             where += "" if returned_as is None else f", returned as out/{returned_as}"
+            where += ", the loop carry's next iteration" if a in g.carry_links else ""
             self.reshards.append(
                 Reshard(a, vid, src, dst, partial, tuple(steps), where,
                         self._runs[a], self._in_while[a])
