@@ -19,14 +19,13 @@ multi-level topology (it stays within a node or a slice). Then, when the step ru
 layer stack under `jax.lax.scan`, pipelines: a ``stage`` axis over the slowest level
 (`jaxshard.Pipeline`; on a one-level topology only when nothing else fits), for every
 stage count that divides the layers and the tensor degrees of the two best meshes so
-far, with the most microbatches of 4S, 2S or S that
-split the batch. A pipeline whose lower bound (the program's FLOPs spread over every
-device and stretched by the bubble, plus the activations it hands between stages) is
-no faster than the best candidate found is pruned without being searched. The best
-pipeline searched is weighed again on the circular schedule, where its layers split
-into two chunks per stage (half the bubble, twice the transfers), and then with its
-batch axes split into ``data`` x ``fsdp``
-(up to four axes: ``stage``, ``data``, ``fsdp``, ``tensor``).
+far, with the most microbatches of 4S, 2S or S that split the batch. A pipeline whose
+lower bound (the program's FLOPs spread over every device and stretched by the bubble,
+plus the activations it hands between stages) is no faster than the best candidate
+found is pruned without being searched. The best pipeline searched is weighed again on
+the circular schedule, where its layers split into two chunks per stage (half the
+bubble, twice the transfers), and then with its batch axes split into ``data`` x
+``fsdp`` (up to four axes: ``stage``, ``data``, ``fsdp``, ``tensor``).
 """
 
 from __future__ import annotations

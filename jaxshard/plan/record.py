@@ -231,8 +231,8 @@ class Plan(PlanMemory):
     def _move_operand(self, a: int, vid: int, src, dst: tuple[DimSharding, ...]) -> None:
         """Operand ``vid`` of application ``a`` moves from ``src`` (its layout; for a loop
         carry's body input, the layout its body output hands it) to ``dst``. The lowered
-        program constrains a copy of it at its first use in each XLA computation (`xla_scope`).
-        A later contraction there (a weight the backward pass multiplies by again) is
+        program constrains a copy of it at its first use in each XLA computation
+        (`xla_scope`). A later contraction there (a weight the backward pass multiplies by again) is
         constrained alike: XLA's common-subexpression pass merges its collective into
         the first one's, whose result stays alive until then. ``repeats`` records those
         uses, at no bytes. Any other later use (an elementwise optimizer update) is left
