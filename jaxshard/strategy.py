@@ -414,15 +414,16 @@ def _pipelines(
     planned = [c for c in ranked if c.memory is not None] or ranked[:1]
     wanted = list(dict.fromkeys(c.degrees.get("tensor", 1) for c in planned))[:REFINED]
     best = fitting[0].seconds_per_step if fitting else math.inf
-    out = []
+    out, meshes = [], set()
     for stages, want in itertools.product(range(2, outer + 1), wanted):
         if outer % stages or any(layers % stages for layers, _, _ in stacks):
             continue
         rest = n // stages
         tensor = max(t for t in _tensor_degrees(n, topology) if rest % t == 0 and t <= want)
-        c = Candidate(*_named((stages, rest // tensor, tensor), PIPELINE_ROLES))
-        if any(c.shape == o.shape and c.axes == o.axes for o in out):
+        if (stages, tensor) in meshes:  # both degrees round down to the same one
             continue
+        meshes.add((stages, tensor))
+        c = Candidate(*_named((stages, rest // tensor, tensor), PIPELINE_ROLES))
         data = c.degrees.get("data", 1)
         fits_rows = [
             m for m in (4 * stages, 2 * stages, stages)

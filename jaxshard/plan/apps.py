@@ -158,9 +158,9 @@ def app_moves(
         return [], frozenset()  # each device cuts its part of the nested result: no move
     if a in graph.carry_links:  # each iteration's output becomes the next one's input
         (carry_in,), (carry_out,) = graph.apps[a].operands, results
-        if dims[carry_in] == dims[carry_out]:
-            return [], frozenset()
-        return [Move(carry_in, dims[carry_out], dims[carry_in], frozenset())], frozenset()
+        handed, read = dims[carry_out], dims[carry_in]
+        moves = [] if handed == read else [Move(carry_in, handed, read, frozenset())]
+        return moves, frozenset()
     wants: dict[int, list[DimSharding]] = {}
     working, axes = prop.working(a)
     axes = axes.kept(lambda x: axis_sizes[x] > 1)  # one device: summed already

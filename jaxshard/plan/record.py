@@ -228,7 +228,9 @@ class Plan(PlanMemory):
                 continue
             self._add_reshard(a, vid, tuple(self.dims[vid]), out, frozenset(), returned_as=o)
 
-    def _move_operand(self, a: int, vid: int, src, dst: tuple[DimSharding, ...]) -> None:
+    def _move_operand(
+        self, a: int, vid: int, src: tuple[DimSharding, ...], dst: tuple[DimSharding, ...]
+    ) -> None:
         """Operand ``vid`` of application ``a`` moves from ``src`` (its layout; for a loop
         carry's body input, the layout its body output hands it) to ``dst``. The lowered
         program constrains a copy of it at its first use in each XLA computation
