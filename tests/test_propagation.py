@@ -308,3 +308,43 @@ def test_an_unhinted_weight_is_stored_as_its_use_settles_it(mesh):
     assert plan.in_specs[0] == {"wi": P(None, "model"), "wo": P("model")}
     weights = set(plan.graph.in_vids[:2])
     assert not [r.collectives for r in plan.reshards if r.vid in weights]
+
+
+def _experts(params, x):
+    """A mixture of experts' first layer computed densely (MaxText's dense matmul): each
+    token through every expert, the activations split over their features on "model"."""
+    x = jaxshard.hint(x, P("data", None, "model"))
+    h = jnp.tanh(jnp.einsum("bsm,emh->bseh", x, params["w"]))
+    return jnp.sum(h * h)
+
+
+def test_an_unhinted_weight_takes_the_axis_on_its_output_where_summing_costs_more(mesh):
+    # following the activations' feature split into the weight's contracted dim leaves
+    # the per-expert hidden (8x the activations) a partial sum over "model" in every
+    # step; gathering the activations and splitting the hidden's features instead moves
+    # a fraction of that. Where the row layout is cheaper overall, the planner keeps it
+    # (`plan_from_graph` plans both): the never-lose suite's conv nets
+    train = _sgd(_experts)
+    params = _f32(w=(4, 64, 128))
+    x = jax.ShapeDtypeStruct((8, 32, 64), jnp.float32)
+    hints = {"x": P("data")}
+    plan = make_plan(train, (params, x), {}, mesh, hints)
+    assert plan.in_specs[0] == {"w": P(None, None, "model")}
+
+    from jaxshard.plan import decide, propagate_pins
+
+    traced, graph = trace_graph(train, (params, x), {}, mesh)
+    sizes = mesh_axis_sizes(mesh)
+    compute, storage = split_storage(hint_pins(traced, graph, hints, sizes), graph)
+    rows = decide(
+        traced, graph, propagate_pins(graph, sizes, compute, storage, free_factors=False), mesh
+    )
+    assert rows.in_specs[0] == {"w": P(None, "model")}
+    assert plan.predicted_bytes < 0.5 * rows.predicted_bytes
+    result = plan.verify()
+    assert result.ok, result.surprises
+
+    w = jax.random.normal(jax.random.key(0), (4, 64, 128)) / 8
+    xs = jax.random.normal(jax.random.key(1), (8, 32, 64))
+    sharded = jaxshard.auto_shard(mesh, hints)(train)({"w": w}, xs)
+    np.testing.assert_allclose(sharded["w"], train({"w": w}, xs)["w"], rtol=1e-5, atol=1e-6)

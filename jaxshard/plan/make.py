@@ -124,7 +124,12 @@ def plan_from_graph(
         compute.pop(vid, None)
         if any(d is not None for d in kept):
             compute[vid] = Pin(kept, pin.source, pin.kind, pin.parts, pin.hint)
-    plan = decide(traced, graph, propagate_pins(graph, sizes, compute, storage, cost_model), mesh)
+    prop = propagate_pins(graph, sizes, compute, storage, cost_model)
+    plan, free = decide(traced, graph, prop, mesh), True
+    if prop.swapped:  # unhinted weights took column layouts (`Propagator.free_factors`)
+        plan, compute, free = _columns_or_rows(
+            traced, graph, mesh, plan, prop, compute, storage, cost_model
+        )
     groups: dict[str, list[int]] = {}  # storage pins by the hint that made them
     for vid in storage:
         if vid not in decided:
@@ -132,11 +137,52 @@ def plan_from_graph(
     for vids in groups.values():  # this hint's axes on the computation instead?
         trial_compute = {**compute, **{v: pins[v] for v in vids}}
         trial_storage = {v: p for v, p in storage.items() if v not in vids}
-        prop = propagate_pins(graph, sizes, trial_compute, trial_storage, cost_model)
+        prop = propagate_pins(graph, sizes, trial_compute, trial_storage, cost_model, free)
         trial = decide(traced, graph, prop, mesh)
         if trial.predicted_bytes < plan.predicted_bytes:
             plan, compute, storage = trial, trial_compute, trial_storage
     return plan
+
+
+def _columns_or_rows(
+    traced: Traced,
+    graph: Graph,
+    mesh: Mesh,
+    plan: Plan,
+    prop: Propagator,
+    compute: dict[int, Pin],
+    storage: dict[int, Pin],
+    cost_model: CostModel | None,
+) -> tuple[Plan, dict[int, Pin], bool]:
+    """The cheapest of three plans where propagation gave unhinted weights a column
+    layout (`Propagator.free_factors`): none taken, each contraction following its
+    activations (row parallel); the weights pinned to those layouts from the start, so
+    that their gradients and every other use are planned for them; and ``plan`` itself,
+    where each took it as propagation reached it. Each choice was priced at its own
+    contraction only; the plans' predicted bytes weigh all of them. Returns the plan,
+    its computation's pins, and whether it takes column layouts where propagation
+    finds them."""
+    sizes = mesh_axis_sizes(mesh)
+    names = graph.names
+    pinned = dict(compute)
+    for vid, (dims, a) in prop.swapped.items():
+        if vid not in pinned:
+            where = graph.apps[a].describe()
+            pinned[vid] = Pin(
+                dims, f"column layout for {names.get(vid, f'%{vid}')} at {where}: gathering "
+                      "its input moves fewer bytes than summing its result"
+            )  # fmt: skip
+    options = []
+    for pins in (compute, pinned):
+        prop = propagate_pins(graph, sizes, pins, storage, cost_model, free_factors=False)
+        options.append((decide(traced, graph, prop, mesh), pins, False))
+    options.append((plan, compute, True))
+    # on a tie in bytes the smaller memory estimate, then the first: a column layout is
+    # taken where it saves something, and pinned where propagation's own choice is no
+    # better (the weight's gradient is then computed in its layout)
+    return min(
+        options, key=lambda o: (o[0].predicted_bytes, o[0].estimated_memory.total, options.index(o))
+    )
 
 
 def propagate_hints(

@@ -107,14 +107,15 @@ def propagate_pins(
     compute: Mapping[int, Pin],
     storage: Mapping[int, Pin],
     cost_model: CostModel | None = None,
+    free_factors: bool = True,
 ) -> Propagator:
     """Propagation from the computation's pins to a fixed point, then from the storage
-    pins at `STORAGE_RANK` into what is still open.
+    pins at `STORAGE_RANK` into what is still open. ``free_factors``: see `Propagator`.
 
     Example:
         >>> prop = propagate_pins(graph, {"data": 2}, {0: pin}, {})  # doctest: +SKIP
     """
-    prop = Propagator(graph, axis_sizes, cost_model)
+    prop = Propagator(graph, axis_sizes, cost_model, free_factors)
     for vid, pin in compute.items():
         prop.pin(vid, pin)
     prop.run()  # the computation's layout first: it outranks every storage layout

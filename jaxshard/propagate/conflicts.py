@@ -169,6 +169,86 @@ class ConflictPolicy:
             )
             values[loser] = kept
 
+    def _free_factor_instead(
+        self, a: int, values: dict[int, Axes], sources: dict[int, tuple[int, int]]
+    ) -> None:
+        """At a contraction that reaches an unhinted argument (`run`'s waiting values: a
+        weight no hint pins), give the axes of a contracted factor to the argument's own
+        free factor instead, where that costs less here.
+
+        An activation split over its features meets a weight no hint pinned. Following
+        it splits the weight's contracted dim and leaves the product a partial sum over
+        those axes, summed at every step (row parallel). Gathering the activation and
+        splitting the weight's output features over the same axes leaves the product
+        split instead (column parallel). Which one moves fewer bytes depends on the sizes:
+        summing a product wider than its input (a mixture of experts' per-expert hidden
+        layer, an up projection) costs more than gathering the input; summing a narrower
+        one (a down projection) costs less. What the split product costs further on is
+        not seen here: `jaxshard.plan.plan_from_graph` also plans with these weights
+        pinned to the layouts recorded in ``swapped``, and with no such choice, and
+        keeps the plan that moves the fewest bytes. The free factor taken is a dim of
+        the weight alone and the result, still open everywhere, that the axes divide:
+        the largest (ties: the last). Changes ``values`` and ``sources`` in place."""
+        app = self.graph.apps[a]
+        rule, vids, layouts, waits = app.rule, self._vids[a], self.state.layouts, self._waits
+        n_operands = len(app.operands)
+        for f, axes in list(values.items()):
+            factor = rule.factors[f]
+            if not axes or factor.kind is not FactorKind.REDUCTION or factor.indexed:
+                continue
+            src = sources.get(f)
+            for t in range(n_operands):
+                vid = vids[t]
+                tdims = rule.operands[t]
+                if not waits[vid] or src is None or src[0] == vid:
+                    continue
+                if not any(fl == (f,) and layouts[vid][d].open for d, fl in enumerate(tdims)):
+                    continue
+                free = self._free_factors(a, t, values, axes)
+                if not free:
+                    continue
+                g = free[-1]
+                trial = {**values, f: (), g: axes}
+                if self._app_cost(a, trial) < self._app_cost(a, values):
+                    values[f], values[g] = (), axes
+                    sources[g] = src
+                    if self._journal is None:  # not a trial's (`trying`)
+                        self.swapped[vid] = (self._column_dims(tdims, f, g, axes), a)
+                    return
+
+    @staticmethod
+    def _column_dims(tdims, f: int, g: int, axes: Axes) -> tuple[DimSharding, ...]:
+        """A weight's dims (its factors ``tdims``) with ``g`` split over ``axes`` and ``f``
+        whole; the others left open."""
+        return tuple(axes if fl == (g,) else () if fl == (f,) else None for fl in tdims)
+
+    def _free_factors(self, a: int, t: int, values: dict[int, Axes], axes: Axes) -> list[int]:
+        """Factors of operand ``t`` of application ``a`` in no other operand, kept by a
+        result, open in every value here, and divisible by ``axes``: smallest first."""
+        app = self.graph.apps[a]
+        rule, vids, layouts = app.rule, self._vids[a], self.state.layouts
+        n = 1
+        for x in axes:
+            n *= self.axis_sizes[x]
+        elsewhere = {
+            f for u, tdims in enumerate(rule.operands) if u != t for fl in tdims for f in fl
+        }
+        kept = {f for tdims in rule.results for fl in tdims for f in fl}
+        found = []
+        for d, fl in enumerate(rule.operands[t]):
+            if len(fl) != 1:
+                continue
+            g = fl[0]
+            factor = rule.factors[g]
+            if (
+                g in values or g in elsewhere or g not in kept
+                or factor.kind is not FactorKind.PASS or factor.size % n
+                or not layouts[vids[t]][d].open
+            ):  # fmt: skip
+                continue
+            found.append((factor.size, d, g))
+        return [g for _, _, g in sorted(found)]
+
     def _app_cost(self, a: int, values: dict[int, Axes]) -> float:
         """The cost (`_price`) to work at application ``a`` with factor shardings
         ``values``: operands move from their layout to the working one, results from

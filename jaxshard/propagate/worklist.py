@@ -14,8 +14,8 @@ from jaxshard.cost import (
     CostModel,
 )
 from jaxshard.errors import JaxshardBug
-from jaxshard.graph import AppKind, Graph
-from jaxshard.lattice import join_axes, split_axes
+from jaxshard.graph import AppKind, Graph, contracts
+from jaxshard.lattice import DimSharding, join_axes, split_axes
 from jaxshard.propagate.conflicts import ConflictPolicy
 from jaxshard.propagate.projection import Projection
 from jaxshard.propagate.vocabulary import (
@@ -50,9 +50,18 @@ class Propagator(Projection, ConflictPolicy):
     """
 
     def __init__(
-        self, graph: Graph, axis_sizes: Mapping[str, int], cost_model: CostModel | None = None
+        self,
+        graph: Graph,
+        axis_sizes: Mapping[str, int],
+        cost_model: CostModel | None = None,
+        free_factors: bool = True,
     ):
         self.graph = graph
+        # whether a contraction may give an unhinted weight's free factor the axes of a
+        # contracted one (`_free_factor_instead`), and the weights that took one: value
+        # -> (its dims as the contraction would have them, the application)
+        self.free_factors = free_factors
+        self.swapped: dict[int, tuple[tuple[DimSharding, ...], int]] = {}
         self.axis_sizes = dict(axis_sizes)
         self.cost_model = cost_model
         size_one = DimState((), OriginKind.DEFAULT, "size-1 dim")
@@ -109,6 +118,7 @@ class Propagator(Projection, ConflictPolicy):
         other._queued = bytearray(self._queued)
         other._deferred = {k: list(v) for k, v in self._deferred.items()}
         other._waiting = set(self._waiting)
+        other.swapped = dict(self.swapped)
         other._journal = None  # a fork made inside `trying` writes into its own state only
         return other
 
@@ -348,12 +358,16 @@ class Propagator(Projection, ConflictPolicy):
         self, a: int, proposals: dict[tuple[int, int], list[Proposal]], settled: bool = False
     ) -> None:
         """Propose each factor's merged sharding to the open dims of application ``a``;
-        into a waiting argument (`_feed`) only once its uses have ``settled`` (`run`)."""
+        into a waiting argument (`_feed`) only once its uses have ``settled`` (`run`). Then
+        a contraction with such an unhinted weight may give the weight's free factor the
+        axes of a contracted one (`_free_factor_instead`)."""
         values, sources, conflict = self._gather(a)
         if conflict:
             values, sources = self._factor_values_with_conflicts(a)
         if not values:
             return
+        if settled and self.free_factors and contracts(self.graph.apps[a]):
+            self._free_factor_instead(a, values, sources)
         _, compound, writable, _ = self._struct[a]
         quiet = not conflict and not compound  # see `_apply`
         vids = self._vids[a]
