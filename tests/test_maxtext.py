@@ -35,8 +35,9 @@ def test_maxtexts_rules_move_no_more_bytes_than_maxtext(llama):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="XLA's partitioner gathers the MLP's gradient where the plan sums partial "
-    "results (1.2x MaxText's memory, verify's surprises)",
+    reason="1.10x MaxText's memory: XLA keeps one more relayout copy of a layer's MLP "
+    "weight alive at the peak and packs the temporaries less tightly; verify reports 6 "
+    "moves XLA runs otherwise (all-to-alls over part of 'tensor')",
 )
 def test_maxtexts_rules_cost_no_more_memory_than_maxtext(llama):
     m, reference = llama
@@ -49,3 +50,15 @@ def test_the_batch_hint_alone_plans_maxtext_and_matches_its_loss(llama):
     m, reference = llama
     row = maxtext_llama.jaxshard_row(m, "batch")
     assert row.loss == pytest.approx(reference.loss, rel=1e-5)
+    assert row.bytes <= 1.05 * reference.bytes
+
+
+def test_the_batch_hint_alone_gathers_the_tokens_for_the_expert_matmuls():
+    # the expert matmuls take "tensor" on the weights' hidden dim (column layout):
+    # summing each one's product over "tensor" moved 1.6x MaxText's bytes
+    m = maxtext_llama.build("mixtral", scan=True)
+    reference = maxtext_llama.maxtext_row(m)
+    row = maxtext_llama.jaxshard_row(m, "batch")
+    assert row.loss == pytest.approx(reference.loss, rel=1e-5)
+    assert row.bytes <= 1.05 * reference.bytes
+    assert "column layout for" in row.plan.explain()
