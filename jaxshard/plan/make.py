@@ -16,7 +16,7 @@ from jaxshard.cost import (
     CostModel,
 )
 from jaxshard.errors import ShardingError
-from jaxshard.graph import Graph, build_graph
+from jaxshard.graph import AppKind, Graph, build_graph
 from jaxshard.plan.decide import decide
 from jaxshard.plan.pins import _compute_part, hint_pins, propagate_pins, split_storage
 from jaxshard.plan.record import Plan, mesh_axis_sizes, record_of
@@ -163,13 +163,12 @@ def _columns_or_rows(
     its computation's pins, and whether it takes column layouts where propagation
     finds them."""
     sizes = mesh_axis_sizes(mesh)
-    names = graph.names
     pinned = dict(compute)
     for vid, (dims, a) in prop.swapped.items():
         if vid not in pinned:
             where = graph.apps[a].describe()
             pinned[vid] = Pin(
-                dims, f"column layout for {names.get(vid, f'%{vid}')} at {where}: gathering "
+                dims, f"column layout for {_weight_name(graph, vid)} at {where}: gathering "
                       "its input moves fewer bytes than summing its result"
             )  # fmt: skip
     options = []
@@ -183,6 +182,26 @@ def _columns_or_rows(
     return min(
         options, key=lambda o: (o[0].predicted_bytes, o[0].estimated_memory.total, options.index(o))
     )
+
+
+def _weight_name(graph: Graph, vid: int) -> str:
+    """``vid``'s path, or that of the argument it passes on unchanged through loop slices
+    and layout-preserving equations (a transpose), named as such."""
+    made = graph.producers()
+    for a, app in enumerate(graph.apps):  # and the loops' inputs, from outside
+        if app.kind is AppKind.LINK and a not in graph.out_links:
+            made.update(dict.fromkeys(app.results, a))
+    root, seen = vid, {vid}
+    while root in made and root not in graph.names:
+        app = graph.apps[made[root]]
+        plain = app.kind is AppKind.LINK or all(f.plain for f in app.rule.factors)
+        if len(app.operands) != 1 or not plain or app.operands[0] in seen:
+            break
+        root = app.operands[0]
+        seen.add(root)
+    if root == vid or root not in graph.names:
+        return graph.value_name(vid)
+    return f"{graph.names[root]} (as the loop or transpose passes it on)"
 
 
 def propagate_hints(
