@@ -179,9 +179,11 @@ def _columns_or_rows(
     # on a tie in bytes the smaller memory estimate, then the first: a column layout is
     # taken where it saves something, and pinned where propagation's own choice is no
     # better (the weight's gradient is then computed in its layout)
-    return min(
-        options, key=lambda o: (o[0].predicted_bytes, o[0].estimated_memory.total, options.index(o))
+    ranked = sorted(
+        enumerate(options),
+        key=lambda io: (io[1][0].predicted_bytes, io[1][0].estimated_memory.total, io[0]),
     )
+    return ranked[0][1]
 
 
 def _weight_name(graph: Graph, vid: int) -> str:
