@@ -8,7 +8,16 @@ from jax.sharding import PartitionSpec as P
 
 import jaxshard
 from jaxshard.annotate import Pin
-from jaxshard.plan import Plan, hint_pins, make_plan, mesh_axis_sizes, split_storage, trace_graph
+from jaxshard.plan import (
+    Plan,
+    decide,
+    hint_pins,
+    make_plan,
+    mesh_axis_sizes,
+    propagate_pins,
+    split_storage,
+    trace_graph,
+)
 from jaxshard.propagate import Propagator
 
 X = jax.ShapeDtypeStruct((8, 16), jnp.float32)
@@ -330,8 +339,6 @@ def test_an_unhinted_weight_takes_the_axis_on_its_output_where_summing_costs_mor
     hints = {"x": P("data")}
     plan = make_plan(train, (params, x), {}, mesh, hints)
     assert plan.in_specs[0] == {"w": P(None, None, "model")}
-
-    from jaxshard.plan import decide, propagate_pins
 
     traced, graph = trace_graph(train, (params, x), {}, mesh)
     sizes = mesh_axis_sizes(mesh)
