@@ -16,7 +16,7 @@ from jaxshard.cost import (
     CostModel,
 )
 from jaxshard.errors import ShardingError
-from jaxshard.graph import AppKind, Graph, build_graph
+from jaxshard.graph import Graph, build_graph
 from jaxshard.plan.decide import decide
 from jaxshard.plan.pins import _compute_part, hint_pins, propagate_pins, split_storage
 from jaxshard.plan.record import Plan, mesh_axis_sizes, record_of
@@ -164,11 +164,13 @@ def _columns_or_rows(
     finds them."""
     sizes = mesh_axis_sizes(mesh)
     pinned = dict(compute)
-    for vid, (dims, a) in prop.swapped.items():
+    for vid, (dims, a, arg) in prop.swapped.items():
         if vid not in pinned:
-            where = graph.apps[a].describe()
+            name = graph.value_name(arg)
+            if arg != vid:
+                name += " (as the loop or transpose passes it on)"
             pinned[vid] = Pin(
-                dims, f"column layout for {_weight_name(graph, vid)} at {where}: gathering "
+                dims, f"column layout for {name} at {graph.apps[a].describe()}: gathering "
                       "its input moves fewer bytes than summing its result"
             )  # fmt: skip
     options = []
@@ -184,26 +186,6 @@ def _columns_or_rows(
         key=lambda io: (io[1][0].predicted_bytes, io[1][0].estimated_memory.total, io[0]),
     )
     return ranked[0][1]
-
-
-def _weight_name(graph: Graph, vid: int) -> str:
-    """``vid``'s path, or that of the argument it passes on unchanged through loop slices
-    and layout-preserving equations (a transpose), named as such."""
-    made = graph.producers()
-    for a, app in enumerate(graph.apps):  # and the loops' inputs, from outside
-        if app.kind is AppKind.LINK and a not in graph.out_links:
-            made.update(dict.fromkeys(app.results, a))
-    root, seen = vid, {vid}
-    while root in made and root not in graph.names:
-        app = graph.apps[made[root]]
-        plain = app.kind is AppKind.LINK or all(f.plain for f in app.rule.factors)
-        if len(app.operands) != 1 or not plain or app.operands[0] in seen:
-            break
-        root = app.operands[0]
-        seen.add(root)
-    if root == vid or root not in graph.names:
-        return graph.value_name(vid)
-    return f"{graph.names[root]} (as the loop or transpose passes it on)"
 
 
 def propagate_hints(

@@ -192,6 +192,7 @@ class ConflictPolicy:
         app = self.graph.apps[a]
         rule, vids, layouts, waits = app.rule, self._vids[a], self.state.layouts, self._waits
         n_operands = len(app.operands)
+        row_cost = None
         for f, axes in list(values.items()):
             factor = rule.factors[f]
             if not axes or factor.kind is not FactorKind.REDUCTION or factor.indexed:
@@ -208,12 +209,14 @@ class ConflictPolicy:
                 if not free:
                     continue
                 g = free[-1]
-                trial = {**values, f: (), g: axes}
-                if self._app_cost(a, trial) < self._app_cost(a, values):
+                if row_cost is None:
+                    row_cost = self._app_cost(a, values)
+                if self._app_cost(a, {**values, f: (), g: axes}) < row_cost:
                     values[f], values[g] = (), axes
                     sources[g] = src
                     if self._journal is None:  # not a trial's (`trying`)
-                        self.swapped[vid] = (self._column_dims(tdims, f, g, axes), a)
+                        dims = self._column_dims(tdims, f, g, axes)
+                        self.swapped[vid] = (dims, a, waits[vid] - 1)
                     return
 
     @staticmethod

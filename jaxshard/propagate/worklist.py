@@ -59,9 +59,10 @@ class Propagator(Projection, ConflictPolicy):
         self.graph = graph
         # whether a contraction may give an unhinted weight's free factor the axes of a
         # contracted one (`_free_factor_instead`), and the weights that took one: value
-        # -> (its dims as the contraction would have them, the application)
+        # -> (its dims as the contraction would have them, the application, the argument
+        # the value passes on)
         self.free_factors = free_factors
-        self.swapped: dict[int, tuple[tuple[DimSharding, ...], int]] = {}
+        self.swapped: dict[int, tuple[tuple[DimSharding, ...], int, int]] = {}
         self.axis_sizes = dict(axis_sizes)
         self.cost_model = cost_model
         size_one = DimState((), OriginKind.DEFAULT, "size-1 dim")
@@ -88,7 +89,7 @@ class Propagator(Projection, ConflictPolicy):
         # see `_feed`: a function of the hinted values alone, never written once made (a
         # fork shares them)
         self._fed = bytearray(len(graph.shapes))
-        self._waits = bytearray(len(graph.shapes))
+        self._waits = [0] * len(graph.shapes)  # a waiting value: 1 + the argument it passes on
         self._waiting: set[int] = set()  # applications that proposed into them (`run`)
         self._fed_for: frozenset[int] | None = None  # the hinted values they were made for
         self._journal: list | None = None  # while `trying`: (value, dim, old state)
@@ -265,7 +266,8 @@ class Propagator(Projection, ConflictPolicy):
         layout-preserving equations: a transpose, a type conversion): what reaches them
         from inside the loop waits (`run`) until the argument's layout has come in. And
         mark the unhinted arguments and the values that pass them on unchanged (the same
-        equations, a loop's slice): what reaches them waits for their uses to settle."""
+        equations, a loop's slice), each with the argument it passes on: what reaches
+        them waits for their uses to settle."""
         key = frozenset(self.hinted)
         if self._fed_for == key:  # a fork, or the end of a trial, has the same hints
             return
@@ -286,20 +288,20 @@ class Propagator(Projection, ConflictPolicy):
             if v in self.hinted:
                 for r in app.results:
                     fed[r] = 1
-        waits = self._waits = bytearray(len(self.graph.shapes))
-        todo = [v for v in self.graph.in_vids if v not in self.hinted]
+        waits = self._waits = [0] * len(self.graph.shapes)
+        todo = [(v, v) for v in self.graph.in_vids if v not in self.hinted]
         while todo:
-            v = todo.pop()
+            v, arg = todo.pop()
             if waits[v]:
                 continue
-            waits[v] = 1
+            waits[v] = 1 + arg
             for b in self.uses[v]:
                 app = apps[b]
                 passes = self._is_link[b] or (
                     len(app.operands) == 1 and all(f.plain for f in app.rule.factors)
                 )
                 if passes and app.operands[0] == v:
-                    todo.extend(r for r in app.results if r not in self.hinted)
+                    todo.extend((r, arg) for r in app.results if r not in self.hinted)
 
     def _apply(self, proposals: dict[tuple[int, int], list[Proposal]]) -> None:
         """Write a round's proposals. A value that changed queues its applications again,
