@@ -117,6 +117,10 @@ class Verification:
         return "\n".join([head + (": as planned" if self.ok else ":"), *self.surprises])
 
 
+# kinds whose `Collective.bytes` is the buffer `compiled_collectives` counts for them
+_OWN_BUFFER = (CollectiveKind.PERMUTE, CollectiveKind.ALL_GATHER, CollectiveKind.ALL_TO_ALL)
+
+
 def predicted_collectives(plan) -> list[Collective]:
     """The collectives a plan's reshards and pending reductions call for, per device, each
     with the times it runs per call (None inside a while loop: its trip count is not
@@ -135,8 +139,10 @@ def predicted_collectives(plan) -> list[Collective]:
             kind = step.kind
             # as compiled_collectives counts them: the result of a gather or scatter
             local = after if kind.sized_by_result else before
-            if kind == CollectiveKind.PERMUTE:  # a halo: the rows it sends
-                local = int(step.bytes)
+            if kind in _OWN_BUFFER:
+                # its own step's buffer: a reshard in steps (`reshard_steps`) gathers
+                # before it moves, and the all-to-all moves the gathered array
+                local = round(step.bytes)
             runs = None if r.in_while else r.runs
             out.append(Collective(kind, step.axes, local, step.group, runs))
     # a while loop's trip count is not known when planning

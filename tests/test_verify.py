@@ -399,6 +399,40 @@ def test_a_repeated_gather_is_priced_once_in_a_computation(mesh):
     assert [c.kind for c in checked.found if c.bytes == gathered] == ["all-gather"], checked
 
 
+def test_a_gather_shared_by_a_later_move_is_priced_once(mesh):
+    # a weight stored over "data" on its first dim and "model" on its second, wanted with
+    # "model" kept by one matmul and moved to the first dim by another: XLA gathers
+    # "data" first for both, merges the two all-gathers, and moves the gathered copy
+    # (priced as a second gather and an all-to-all of the stored slice, 4 KiB too many)
+    def fn(w, x, z):
+        heads = jnp.einsum("be,ehd->bhd", x, w)
+        back = jnp.einsum("ehd,bhd->be", w, z)
+        return heads, back
+
+    # activations much larger than the weight: moving the weight is the cheap way
+    args = (jnp.ones((64, 8, 16)), jnp.ones((512, 64)), jnp.ones((512, 8, 16)))
+    hints = {
+        "w": P("data", "model", None),
+        "x": P(None, None),
+        "z": P(None, None, None),
+        "out/0": P(None, "model", None),
+        "out/1": P(None, "model"),
+    }
+    step = jaxshard.auto_shard(mesh, hints)(fn)
+    plan = step.plan(*args)
+    w = plan.graph.in_vids[0]
+    moves = [(r.src, r.dst, r.collectives) for r in plan.reshards if r.vid == w]
+    assert moves == [
+        ((("data",), ("model",), ()), ((), ("model",), ()), ("all-gather over data",)),
+        (((), ("model",), ()), (("model",), (), ()), ("all-to-all over model",)),
+    ], moves
+    checked = verify(plan, step.lower(*args))
+    assert checked.ok, str(checked)
+    assert checked.compiled_bytes == checked.predicted_bytes
+    for got, want in zip(step(*args), fn(*args)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_a_move_xla_has_no_single_collective_for_goes_step_by_step(mesh):
     # the argument's minor dim is split over both axes and wanted split over "data" and
     # "model" on the first two dims: XLA's partitioner has no collective for that move and

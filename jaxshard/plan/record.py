@@ -24,6 +24,7 @@ from jaxshard.cost import (
     nbytes,
     per_device_bytes,
     reshard_collectives,
+    reshard_steps,
     step_bytes,
     written_collectives,
     xla_scope,
@@ -239,16 +240,32 @@ class Plan(PlanMemory):
         the first one's, whose result stays alive until then. ``repeats`` records those
         uses, at no bytes. Any other later use (an elementwise optimizer update) is left
         unconstrained and priced as moved again (``moved_again``): constrained, the
-        update too would work on the gathered copy, which then lives to the step's end."""
+        update too would work on the gathered copy, which then lives to the step's end.
+
+        A move in steps (`reshard_steps`: an axis gathered, then another moved) shares
+        its steps the same way: XLA merges a step's collective with an earlier move of
+        the value to that layout in the same computation, and a later move to it with
+        the step's, so only the rest of the move is priced."""
         scope = xla_scope(self.graph.apps[a].where)
-        scopes = self._moved.setdefault((vid, dst), set())
+        scopes = self._moved.setdefault((vid, self._big(dst)), set())
         if scope in scopes:
             if contracts(self.graph.apps[a]):
                 self.repeats.append((a, vid, dst))
                 return
             self.moved_again.append((a, vid, dst))
         scopes.add(scope)
-        self._add_reshard(a, vid, src, dst, frozenset())
+        start = src
+        for step in reshard_steps(self._big(src), self._big(dst))[:-1]:
+            done = self._moved.setdefault((vid, step), set())
+            if scope in done:
+                start = step  # moved there before in this computation: XLA merges it
+            done.add(scope)
+        self._add_reshard(a, vid, start, dst, frozenset())
+
+    def _big(self, dims) -> tuple[tuple[str, ...], ...]:
+        """A layout without its axes of size 1 (they move nothing), as `reshard_steps`
+        gives its steps."""
+        return tuple(tuple(x for x in d or () if self.axis_sizes[x] > 1) for d in dims)
 
     def _add_reshard(self, a, vid, src, dst, partial, returned_as: int | None = None) -> None:
         """Value ``vid`` of application ``a`` moves from ``src`` to ``dst`` (``returned_as``:
