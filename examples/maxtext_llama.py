@@ -22,6 +22,11 @@ what ``verify()`` says of jaxshard's predictions. MaxText needs Python 3.12+ and
 
     python examples/maxtext_llama.py                # llama2, layers scanned
     python examples/maxtext_llama.py mixtral false  # mixtral, layers unrolled
+    JAXSHARD_MAXTEXT_DEVICES=64 python examples/maxtext_llama.py llama2 true real
+
+The last compiles MaxText's llama2-7b (or mixtral-8x7b) step on 64 simulated devices
+(fsdp=8 x tensor=8) with abstract arguments: bytes and memory of the compiled programs
+against jaxshard's predicted bytes and estimated memory (nothing runs).
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ import os
 import sys
 
 os.environ.setdefault("DECOUPLE_GCLOUD", "TRUE")  # MaxText's switch: no cloud integrations
+# 8 simulated devices for the tiny steps; the real sizes (`REAL`) ask for their mesh's 64
+DEVICES = int(os.environ.get("JAXSHARD_MAXTEXT_DEVICES", "8"))
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
 ).strip()
 
 import dataclasses  # noqa: E402
@@ -59,6 +66,20 @@ MIXTRAL = [
     "decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=128",
     "sparse_matmul=false", "megablox=false", "capacity_factor=-1",
 ]  # fmt: skip
+# the real sizes: MaxText's own llama2-7b and mixtral-8x7b configs on 64 devices (fsdp=8 x
+# tensor=8), batch 64, sequence 2048, float32, with abstract arguments (compiled, not run)
+REAL_COMMON = [
+    "hardware=cpu", "dataset_type=synthetic", "enable_checkpointing=false",
+    "skip_jax_distributed_system=true", "run_name=jaxshard", "base_output_directory=/tmp/maxtext",
+    "ici_fsdp_parallelism=8", "ici_tensor_parallelism=8", "per_device_batch_size=1",
+    "max_target_length=2048", "attention=dot_product", "dtype=float32", "weight_dtype=float32",
+    "enable_dropout=false", "steps=10",
+]  # fmt: skip
+REAL = {
+    "llama2": ["model_name=llama2-7b"],
+    "mixtral": ["model_name=mixtral-8x7b", "sparse_matmul=false", "megablox=false",
+                "capacity_factor=-1"],
+}  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -82,8 +103,10 @@ class MaxTextStep:
         return partitioning.axis_rules(self.config.logical_axis_rules)
 
 
-def build(model: str = "llama2", scan: bool = True) -> MaxTextStep:
-    """MaxText's tiny ``model`` ("llama2" or "mixtral") train step, layers scanned or not.
+def build(model: str = "llama2", scan: bool = True, real: bool = False) -> MaxTextStep:
+    """MaxText's tiny ``model`` ("llama2" or "mixtral") train step, layers scanned or not;
+    with ``real``, MaxText's llama2-7b or mixtral-8x7b on 64 devices (`REAL`: the process
+    must have them, ``JAXSHARD_MAXTEXT_DEVICES=64``) with abstract arguments.
 
     Example:
         >>> maxtext = build("llama2", scan=True)  # doctest: +SKIP
@@ -97,8 +120,11 @@ def build(model: str = "llama2", scan: bool = True) -> MaxTextStep:
     from maxtext.utils import maxtext_utils, model_creation_utils, sharding
 
     base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
-    extra = [f"scan_layers={str(scan).lower()}", *(MIXTRAL if model == "mixtral" else [])]
-    cfg = pyconfig.initialize([None, base, *TINY, *extra])
+    if real:
+        sized = [*REAL_COMMON, *REAL[model]]
+    else:
+        sized = [*TINY, *(MIXTRAL if model == "mixtral" else [])]
+    cfg = pyconfig.initialize([None, base, *sized, f"scan_layers={str(scan).lower()}"])
     mesh = Mesh(maxtext_utils.create_device_mesh(cfg, jax.devices()), cfg.mesh_axes)
     create, abstract_model = model_creation_utils.create_nnx_abstract_model(cfg, mesh)
     schedule = maxtext_utils.create_learning_rate_schedule(cfg)
@@ -113,10 +139,30 @@ def build(model: str = "llama2", scan: bool = True) -> MaxTextStep:
 
     with partitioning.axis_rules(cfg.logical_axis_rules):
         graphdef, _ = nnx.split(nnx.eval_shape(init))
-    with jax.set_mesh(mesh), partitioning.axis_rules(cfg.logical_axis_rules):
-        state = jax.jit(lambda: nnx.state(init()), out_shardings=state_shardings)()
     data_sharding = sharding.get_input_data_sharding(cfg, mesh)
     shaped = maxtext_utils.get_shaped_batch(cfg, batch_sharding=data_sharding)
+    step, in_shard, out_shard, _, _ = maxtext_utils.get_functional_train_with_signature(
+        train.train_step, data_sharding, state_shardings, graphdef, cfg
+    )
+    name = f"{model}, layers {'scanned' if scan else 'unrolled'}"
+    if real:
+        with partitioning.axis_rules(cfg.logical_axis_rules):
+            shapes = jax.eval_shape(lambda: nnx.state(init()))
+        state = jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+            shapes,
+            state_shardings,
+        )
+        batch = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=data_sharding)
+            for k, v in shaped.items()
+        }
+        name = f"{REAL[model][0].split('=')[1]}, layers {'scanned' if scan else 'unrolled'}"
+        return MaxTextStep(
+            name, cfg, mesh, step, (state, batch), in_shard, out_shard, data_sharding.spec
+        )
+    with jax.set_mesh(mesh), partitioning.axis_rules(cfg.logical_axis_rules):
+        state = jax.jit(lambda: nnx.state(init()), out_shardings=state_shardings)()
     rng = np.random.default_rng(0)
     batch = {}
     for key, leaf in shaped.items():
@@ -127,10 +173,6 @@ def build(model: str = "llama2", scan: bool = True) -> MaxTextStep:
         else:
             value = rng.integers(1, cfg.vocab_size, leaf.shape)
         batch[key] = jax.device_put(jnp.asarray(value, leaf.dtype), data_sharding)
-    step, in_shard, out_shard, _, _ = maxtext_utils.get_functional_train_with_signature(
-        train.train_step, data_sharding, state_shardings, graphdef, cfg
-    )
-    name = f"{model}, layers {'scanned' if scan else 'unrolled'}"
     return MaxTextStep(
         name, cfg, mesh, step, (state, batch), in_shard, out_shard, data_sharding.spec
     )
@@ -218,6 +260,89 @@ def compare(model: str = "llama2", scan: bool = True) -> tuple[MaxTextStep, list
     return m, rows
 
 
+@dataclasses.dataclass
+class Compiled:
+    """One program at a real size, compiled only: jaxshard's predictions (bytes, memory)
+    next to the compiled program's, or why there is no plan."""
+
+    name: str
+    bytes: float = 0.0
+    memory: int = 0
+    predicted: float | None = None
+    estimated: float | None = None
+    seconds: float = 0.0
+    error: str = ""
+
+
+def compare_real(model: str = "llama2", scan: bool = True) -> tuple[MaxTextStep, list[Compiled]]:
+    """MaxText's own program and jaxshard's three plans of MaxText's real-size step
+    (`build` with ``real``), compiled, not run: collective bytes and memory per device
+    against jaxshard's predicted bytes and estimated memory.
+
+    Example:
+        >>> maxtext, rows = compare_real("llama2")  # doctest: +SKIP
+    """
+    m = build(model, scan, real=True)
+    with jax.set_mesh(m.mesh), m.rules():
+        jitted = jax.jit(m.step, in_shardings=m.in_shardings, out_shardings=m.out_shardings)
+        own = compiled_cost(jitted.lower(*m.args).compile(), m.mesh)
+    rows = [Compiled("MaxText's own sharding", own.bytes, own.memory)]
+    names = {"rules": "MaxText's rules", "batch": "batch hint alone", "search": "search"}
+    for mode in ("rules", "batch", "search"):
+        options: dict[str, Any] = {}
+        if mode == "rules":
+            options["logical_axis_rules"] = m.config.logical_axis_rules
+        else:
+            options["flax_metadata"] = False
+        if mode == "search":
+            options.update(search=True, memory_budget=own.memory)
+        row = Compiled(f"jaxshard, {names[mode]}")
+        with m.rules():
+            start = time.perf_counter()
+            step = jaxshard.auto_shard(m.mesh, {r"data/.*": m.batch_spec}, **options)(m.step)
+            try:
+                plan = step.plan(*m.args)
+            except jaxshard.ShardingError as e:  # no layout fits the budget: said, not hidden
+                row.error = str(e).split(":")[0] + _smallest(e, own.memory)
+                rows.append(row)
+                continue
+            row.seconds = time.perf_counter() - start
+            got = compiled_cost(step.lower(*m.args).compile(), m.mesh)
+        row.bytes, row.memory = got.bytes, got.memory
+        row.predicted, row.estimated = plan.predicted_bytes, plan.estimated_memory.total
+        rows.append(row)
+    return m, rows
+
+
+def _smallest(e: Exception, budget: float) -> str:
+    smallest = getattr(e, "footprint", None)
+    if smallest is None:
+        return ""
+    return f"; the smallest estimate is {smallest.total / 2**30:.2f} GiB ({smallest.total / budget:.2f}x)"
+
+
+def real_table(m: MaxTextStep, rows: list[Compiled]) -> str:
+    """`compare_real`'s rows as a markdown table, ratios to MaxText's own program."""
+    base = rows[0]
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    out = [
+        f"### {m.name}",
+        "",
+        "| program | collective bytes/device: predicted / compiled | memory/device: estimated "
+        "/ compiled | vs MaxText (bytes, memory) | plan s |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.error:
+            out.append(f"| {r.name}: {r.error} | - | - | - | - |")
+            continue
+        moved = gib(r.bytes) if r.predicted is None else f"{gib(r.predicted)} / {gib(r.bytes)}"
+        held = gib(r.memory) if r.estimated is None else f"{gib(r.estimated)} / {gib(r.memory)}"
+        ratio = f"{r.bytes / base.bytes:.2f}x, {r.memory / base.memory:.2f}x"
+        out.append(f"| {r.name} | {moved} | {held} | {ratio} | {r.seconds:.1f} |")
+    return "\n".join(out)
+
+
 def table(m: MaxTextStep, rows: list[Row]) -> str:
     """The rows as a markdown table, ratios to MaxText's own program."""
     base = rows[0]
@@ -241,6 +366,12 @@ def table(m: MaxTextStep, rows: list[Row]) -> str:
 def main(argv: list[str]) -> None:
     model = argv[0] if argv else "llama2"
     scan = (argv[1] if len(argv) > 1 else "true").lower() != "false"
+    if len(argv) > 2 and argv[2] == "real":
+        if DEVICES != 64:
+            sys.exit("the real sizes need 64 devices: JAXSHARD_MAXTEXT_DEVICES=64 python ...")
+        m, rows = compare_real(model, scan)
+        print(real_table(m, rows))
+        return
     m, rows = compare(model, scan)
     print(table(m, rows))
 
