@@ -79,7 +79,9 @@ def test_maxtexts_7b_step_compiles_as_predicted_with_its_rules():
         [sys.executable, example, "llama2", "true", "real"],
         env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
-    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in done.stdout.splitlines()}
+    rows = {
+        line.split(" | ")[0].strip("| "): line.split(" | ") for line in done.stdout.splitlines()
+    }
     rules = rows["jaxshard, MaxText's rules"]
     gib = lambda cell: [float(x.split()[0]) for x in cell.split(" / ")]  # noqa: E731
     predicted, compiled = gib(rules[1])
