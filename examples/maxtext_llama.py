@@ -205,9 +205,17 @@ def maxtext_row(m: MaxTextStep) -> Row:
     return Row("MaxText's own sharding", _loss(metrics), cost.bytes, cost.memory)
 
 
-def jaxshard_row(m: MaxTextStep, mode: str, budget: float | None = None) -> Row:
-    """jaxshard's plan of the step: ``mode`` is "rules", "batch" or "search" (module doc)."""
-    hints = {r"data/.*": m.batch_spec}
+MODES = {"rules": "MaxText's rules", "batch": "batch hint alone", "search": "search"}
+
+
+def sharded(m: MaxTextStep, mode: str, budget: float | None = None):
+    """MaxText's step under `jaxshard.auto_shard` from the batch hint: ``mode`` "rules"
+    passes MaxText's logical axis rules, "batch" reads no Flax metadata, "search" adds
+    the search with ``budget`` as its memory budget (module doc).
+
+    Example:
+        >>> step = sharded(build("llama2"), "rules")  # doctest: +SKIP
+    """
     options: dict[str, Any] = {}
     if mode == "rules":
         options["logical_axis_rules"] = m.config.logical_axis_rules
@@ -215,18 +223,22 @@ def jaxshard_row(m: MaxTextStep, mode: str, budget: float | None = None) -> Row:
         options["flax_metadata"] = False
     if mode == "search":
         options.update(search=True, memory_budget=budget)
+    return jaxshard.auto_shard(m.mesh, {r"data/.*": m.batch_spec}, **options)(m.step)
+
+
+def jaxshard_row(m: MaxTextStep, mode: str, budget: float | None = None) -> Row:
+    """jaxshard's plan of the step: ``mode`` is "rules", "batch" or "search" (module doc)."""
     with m.rules():
         start = time.perf_counter()
-        step = jaxshard.auto_shard(m.mesh, hints, **options)(m.step)
+        step = sharded(m, mode, budget)
         plan = step.plan(*m.args)
         seconds = time.perf_counter() - start
         compiled = step.lower(*m.args).compile()
         _, metrics = step(*m.args)
         checked = plan.verify()
     cost = compiled_cost(compiled, m.mesh)
-    names = {"rules": "MaxText's rules", "batch": "batch hint alone", "search": "search"}
     return Row(
-        f"jaxshard, {names[mode]}",
+        f"jaxshard, {MODES[mode]}",
         _loss(metrics),
         cost.bytes,
         cost.memory,
@@ -287,19 +299,11 @@ def compare_real(model: str = "llama2", scan: bool = True) -> tuple[MaxTextStep,
         jitted = jax.jit(m.step, in_shardings=m.in_shardings, out_shardings=m.out_shardings)
         own = compiled_cost(jitted.lower(*m.args).compile(), m.mesh)
     rows = [Compiled("MaxText's own sharding", own.bytes, own.memory)]
-    names = {"rules": "MaxText's rules", "batch": "batch hint alone", "search": "search"}
     for mode in ("rules", "batch", "search"):
-        options: dict[str, Any] = {}
-        if mode == "rules":
-            options["logical_axis_rules"] = m.config.logical_axis_rules
-        else:
-            options["flax_metadata"] = False
-        if mode == "search":
-            options.update(search=True, memory_budget=own.memory)
-        row = Compiled(f"jaxshard, {names[mode]}")
+        row = Compiled(f"jaxshard, {MODES[mode]}")
         with m.rules():
             start = time.perf_counter()
-            step = jaxshard.auto_shard(m.mesh, {r"data/.*": m.batch_spec}, **options)(m.step)
+            step = sharded(m, mode, own.memory)
             try:
                 plan = step.plan(*m.args)
             except jaxshard.ShardingError as e:  # no layout fits the budget: said, not hidden
