@@ -351,17 +351,17 @@ def reshard_steps(src: Sequence[DimSharding], dst: Sequence[DimSharding]) -> lis
     replicate the array on every device first ("involuntary full rematerialization",
     measured on JAX 0.10 and 0.12): a dim that gives one axis to another dim and loses
     another axis altogether or to a third dim, or a dim that takes axes from two
-    others. Nor when an axis moves between dims while another
-    axis is added: XLA then runs the all-to-all over a part of the moved axis and
-    permutes the rest, as many bytes as the all-to-all of the whole axis followed by a
-    slice, but not the collectives a plan can name (measured: ``[tensor, -, -] -> [fsdp,
-    -, tensor]`` on a 2x4 fsdp x tensor mesh and in MaxText's optimizer update). Nor when
-    an axis moves while another is gathered: XLA gathers first and moves the gathered
-    array (measured for ``[fsdp, tensor, -] -> [tensor, -, -]`` and its variants, the
-    gathered axis on the moved axis's source, destination or a third dim), the same
-    bytes, and a step another use of the value may share (`Plan`'s operand moves). Such
-    a reshard goes through steps XLA does with one collective each: the gathered axes
-    first, then the moved axes one at a time, then the added ones.
+    others. Nor when an axis moves between dims while another axis is added: XLA then
+    runs the all-to-all over a part of the moved axis and permutes the rest, as many
+    bytes as the all-to-all of the whole axis followed by a slice, but not the
+    collectives a plan can name (measured: ``[tensor, -, -] -> [fsdp, -, tensor]`` on a
+    2x4 fsdp x tensor mesh and in MaxText's optimizer update). Nor when an axis moves
+    while another is gathered: XLA gathers first and moves the gathered array (measured
+    for ``[fsdp, tensor, -] -> [tensor, -, -]`` and its variants, the gathered axis on
+    the moved axis's source, destination or a third dim), the same bytes, and a step
+    another use of the value may share (`Plan`'s operand moves). Such a reshard goes
+    through steps XLA does with one collective each: the gathered axes first, then the
+    moved axes one at a time, then the added ones.
 
     Example:
         >>> reshard_steps([(), ("data", "model")], [("data",), ()])
