@@ -118,7 +118,12 @@ class Verification:
 
 
 # kinds whose `Collective.bytes` is the buffer `compiled_collectives` counts for them
-_OWN_BUFFER = (CollectiveKind.PERMUTE, CollectiveKind.ALL_GATHER, CollectiveKind.ALL_TO_ALL)
+_OWN_BUFFER = (
+    CollectiveKind.PERMUTE,
+    CollectiveKind.ALL_GATHER,
+    CollectiveKind.ALL_TO_ALL,
+    CollectiveKind.REDUCE_SCATTER,
+)
 
 
 def predicted_collectives(plan) -> list[Collective]:
@@ -141,7 +146,8 @@ def predicted_collectives(plan) -> list[Collective]:
             local = after if kind.sized_by_result else before
             if kind in _OWN_BUFFER:
                 # its own step's buffer: a reshard in steps (`reshard_steps`) gathers
-                # before it moves, and the all-to-all moves the gathered array
+                # before it moves, and the all-to-all moves the gathered array; a sum
+                # scattered over two reductions' axes is one reduce-scatter per reduction
                 local = round(step.bytes)
             runs = None if r.in_while else r.runs
             out.append(Collective(kind, step.axes, local, step.group, runs))

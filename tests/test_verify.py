@@ -197,6 +197,32 @@ def test_reduce_scatter_may_be_an_all_reduce_of_the_input():
     assert _match([scatter], [wrong], sizes) == ([wrong], [scatter])
 
 
+@pytest.mark.parametrize(
+    "out, kinds",
+    [
+        (P(None, None), ["all-reduce over data", "all-reduce over model"]),
+        (P(("data", "model"), None), ["reduce-scatter over data,model"]),
+        (P("data", "model"), ["reduce-scatter over data", "reduce-scatter over model"]),
+    ],
+    ids=["whole", "one-dim", "two-dims"],
+)
+def test_a_sum_over_two_reductions_is_scattered_as_xla_runs_it(mesh, out, kinds):
+    # a weight gradient summed over the batch (on "data") and the sequence (on "model"):
+    # kept split over both on two dims, a backend without reduce-scatter (XLA's CPU) runs
+    # one all-reduce of the whole gradient per reduction, not one over all eight devices
+    def f(x, dy):
+        return jnp.einsum("bsd,bsf->df", x, dy)
+
+    args = (jnp.ones((8, 64, 256)), jnp.ones((8, 64, 512)))
+    hints = {"x": P("data", "model", None), "dy": P("data", "model", None), "out": out}
+    step = jaxshard.auto_shard(mesh, hints)(f)
+    plan = step.plan(*args)
+    assert [c for r in plan.reshards for c in r.collectives] == kinds
+    checked = verify(plan, step.lower(*args))
+    assert checked.ok, str(checked)
+    assert checked.compiled_bytes == checked.predicted_bytes
+
+
 def test_a_planned_reduce_scatter_verifies(mesh):
     # the contracted dim keeps "model", the result is reduce-scattered onto its hinted
     # dim; the CPU backend all-reduces the whole input instead, which verify accepts

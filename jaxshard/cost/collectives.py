@@ -328,9 +328,18 @@ def _step_collectives(shape, dtype, src, dst, axis_sizes, partial, reduce_scatte
             add(CollectiveKind.ALL_REDUCE, axes, local_src)
     if scattered:  # the input is whole along the scattered axes, whatever ``src`` says
         whole = [tuple(a for a in d if a not in scattered) for d in src]
-        # a backend without reduce-scatter all-reduces the input, each device keeping its slice
+        # a backend without reduce-scatter all-reduces the input, each device keeping its
+        # slice: one all-reduce per reduction's axes where they land on different dims
+        # (measured on XLA's CPU backend: a weight gradient summed over the batch on
+        # "data" and the sequence on "model", kept split over both, is two all-reduces
+        # of the whole gradient; kept split over both on one dim, it is one)
         kind = CollectiveKind.REDUCE_SCATTER if reduce_scatter else CollectiveKind.ALL_REDUCE
-        add(CollectiveKind.REDUCE_SCATTER, scattered, total / shards(whole, axis_sizes), kind)
+        local = total / shards(whole, axis_sizes)
+        parts = [sorted(a for a in g if a in scattered) for g in groups]
+        parts = [p for p in parts if p]
+        apart = len(parts) > 1 and len({where_dst[p[0]] for p in parts}) > 1
+        for part in parts if apart and not reduce_scatter else [scattered]:
+            add(CollectiveKind.REDUCE_SCATTER, part, local, kind)
     moved = sorted(
         a
         for a, i in where_src.items()
