@@ -27,7 +27,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from jax.extend.core import primitives as prims
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxshard.cost import CollectiveKind, reshard_steps
+from jaxshard.cost import CollectiveKind, reshard_steps, without_unit_axes
 from jaxshard.graph import AppKind, contracts
 from jaxshard.jax_compat import (
     UNSPECIFIED,
@@ -283,10 +283,10 @@ class Lowered:
         self.plan = plan
         self.mesh = auto_view(plan.mesh)
         self._named: dict[tuple, NamedSharding] = {}
-        # the layout each constrained variable was given (`_constrain`), and the mesh
-        # axes that split anything (size-1 axes move nothing)
+        # the layout each constrained variable was given (`_constrain`), and the mesh's
+        # axis sizes (`without_unit_axes`: size-1 axes move nothing)
         self._layout_of: dict[Any, tuple] = {}
-        self._big_axes = {a for a, n in self.mesh.shape.items() if n > 1}
+        self._sizes = dict(self.mesh.shape)
         self.in_shardings = tuple(self._sharding(d) for d in plan.flat_in_dims())
         self.out_shardings = tuple(self._sharding(d) for d in plan.out_dims)
         with gc_paused():
@@ -336,7 +336,9 @@ class Lowered:
                 via[r.vid] = Via(r.src, plan.dims[r.vid])
             elif r.partial:
                 continue
-            elif len(reshard_steps(*(self._big(d) for d in (r.src, r.dst)))) > 1:
+            elif (
+                len(reshard_steps(*(without_unit_axes(d, self._sizes) for d in (r.src, r.dst)))) > 1
+            ):
                 via[r.vid] = Via(r.src, plan.dims[r.vid])
         # per path (a call site of a nested jaxpr): {var: layout} and a hashable key
         self._levels = {}
@@ -382,7 +384,8 @@ class Lowered:
         src = self._layout_of.get(var)
         steps = [dims]
         if src is not None and None not in src and None not in dims:
-            steps = [*reshard_steps(self._big(src), self._big(dims))[:-1], dims]
+            moving = (without_unit_axes(d, self._sizes) for d in (src, dims))
+            steps = [*reshard_steps(*moving)[:-1], dims]
         for step in steps:
             new = new_var(var.aval)
             params = dict(
@@ -395,10 +398,6 @@ class Lowered:
             var = new
         self._layout_of[var] = dims
         return var
-
-    def _big(self, dims) -> list[tuple[str, ...]]:
-        """A layout without its axes of size 1 (they move nothing)."""
-        return [tuple(a for a in d or () if a in self._big_axes) for d in dims]
 
     def _regions_of(self, jaxpr: Jaxpr) -> list:
         """``(index, eqn, regions)`` of the higher-order equations of a jaxpr, computed

@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from jaxshard.baseline import compiled_memory
-from jaxshard.cost import Collective, CollectiveKind, human_bytes, nbytes, shards
+from jaxshard.cost import Collective, CollectiveKind, human_bytes
 from jaxshard.hlo import (  # noqa: F401  (hlo_collectives and computation_runs: re-exported)
     compiled_collectives,
     computation_runs,
@@ -117,15 +117,6 @@ class Verification:
         return "\n".join([head + (": as planned" if self.ok else ":"), *self.surprises])
 
 
-# kinds whose `Collective.bytes` is the buffer `compiled_collectives` counts for them
-_OWN_BUFFER = (
-    CollectiveKind.PERMUTE,
-    CollectiveKind.ALL_GATHER,
-    CollectiveKind.ALL_TO_ALL,
-    CollectiveKind.REDUCE_SCATTER,
-)
-
-
 def predicted_collectives(plan) -> list[Collective]:
     """The collectives a plan's reshards and pending reductions call for, per device, each
     with the times it runs per call (None inside a while loop: its trip count is not
@@ -136,21 +127,13 @@ def predicted_collectives(plan) -> list[Collective]:
         Collective(kind='all-reduce', axes=frozenset({'model'}), bytes=16384)
     """
     out = []
-    g, sizes = plan.graph, plan.axis_sizes
     for r in plan.reshards:
-        total = nbytes(g.shapes[r.vid], g.dtypes[r.vid])
-        before, after = total // shards(r.src, sizes), total // shards(r.dst, sizes)
-        for step in r.steps:
-            kind = step.kind
-            # as compiled_collectives counts them: the result of a gather or scatter
-            local = after if kind.sized_by_result else before
-            if kind in _OWN_BUFFER:
-                # its own step's buffer: a reshard in steps (`reshard_steps`) gathers
-                # before it moves, and the all-to-all moves the gathered array; a sum
-                # scattered over two reductions' axes is one reduce-scatter per reduction
-                local = round(step.bytes)
-            runs = None if r.in_while else r.runs
-            out.append(Collective(kind, step.axes, local, step.group, runs))
+        runs = None if r.in_while else r.runs
+        # each step's own buffer, as compiled_collectives counts it (`Collective.bytes`:
+        # the operand, a gather's or scatter's result, a halo's rows): a reshard in steps
+        # (`reshard_steps`) gathers before it moves, and the all-to-all moves the
+        # gathered array
+        out += [Collective(s.kind, s.axes, round(s.bytes), s.group, runs) for s in r.steps]
     # a while loop's trip count is not known when planning
     out += [replace(c, runs=None) if c.in_while else c for c in plan.written]
     return out

@@ -29,6 +29,7 @@ from jaxshard.cost.collectives import (  # noqa: F401
     reshard_cost,
     reshard_steps,
     unhaloed,
+    without_unit_axes,
 )
 from jaxshard.cost.memory import (  # noqa: F401
     EXPENSIVE,

@@ -295,8 +295,7 @@ def reshard_collectives(
         [('all-reduce over model', 384.0), ('all-gather over data', 256.0)]
     """
     # an axis of size 1 moves nothing: XLA emits no collective over it
-    src = [tuple(a for a in d or () if axis_sizes[a] > 1) for d in src]
-    dst = [tuple(a for a in d or () if axis_sizes[a] > 1) for d in dst]
+    src, dst = without_unit_axes(src, axis_sizes), without_unit_axes(dst, axis_sizes)
     steps = [tuple(dst)] if partial else reshard_steps(src, dst)
     if len(steps) > 1:  # the lowering passes through each (`reshard_steps`)
         return [
@@ -351,6 +350,19 @@ def _step_collectives(shape, dtype, src, dst, axis_sizes, partial, reduce_scatte
     if removed:
         add(CollectiveKind.ALL_GATHER, removed, local_dst)
     return out
+
+
+def without_unit_axes(
+    dims: Sequence[DimSharding], axis_sizes: Mapping[str, int]
+) -> tuple[tuple[str, ...], ...]:
+    """A layout without its mesh axes of size 1: they split nothing and move nothing, so
+    a reshard and its steps (`reshard_steps`) are read without them.
+
+    Example:
+        >>> without_unit_axes([("data", "stage"), None], {"data": 2, "stage": 1})
+        (('data',), ())
+    """
+    return tuple(tuple(a for a in d or () if axis_sizes[a] > 1) for d in dims)
 
 
 def reshard_steps(src: Sequence[DimSharding], dst: Sequence[DimSharding]) -> list[tuple]:

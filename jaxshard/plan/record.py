@@ -26,6 +26,7 @@ from jaxshard.cost import (
     reshard_collectives,
     reshard_steps,
     step_bytes,
+    without_unit_axes,
     written_collectives,
     xla_scope,
 )
@@ -247,7 +248,8 @@ class Plan(PlanMemory):
         the value to that layout in the same computation, and a later move to it with
         the step's, so only the rest of the move is priced."""
         scope = xla_scope(self.graph.apps[a].where)
-        scopes = self._moved.setdefault((vid, self._big(dst)), set())
+        to = without_unit_axes(dst, self.axis_sizes)
+        scopes = self._moved.setdefault((vid, to), set())
         if scope in scopes:
             if contracts(self.graph.apps[a]):
                 self.repeats.append((a, vid, dst))
@@ -255,17 +257,12 @@ class Plan(PlanMemory):
             self.moved_again.append((a, vid, dst))
         scopes.add(scope)
         start = src
-        for step in reshard_steps(self._big(src), self._big(dst))[:-1]:
+        for step in reshard_steps(without_unit_axes(src, self.axis_sizes), to)[:-1]:
             done = self._moved.setdefault((vid, step), set())
             if scope in done:
                 start = step  # moved there before in this computation: XLA merges it
             done.add(scope)
         self._add_reshard(a, vid, start, dst, frozenset())
-
-    def _big(self, dims) -> tuple[tuple[str, ...], ...]:
-        """A layout without its axes of size 1 (they move nothing), as `reshard_steps`
-        gives its steps."""
-        return tuple(tuple(x for x in d or () if self.axis_sizes[x] > 1) for d in dims)
 
     def _add_reshard(self, a, vid, src, dst, partial, returned_as: int | None = None) -> None:
         """Value ``vid`` of application ``a`` moves from ``src`` to ``dst`` (``returned_as``:
