@@ -18,7 +18,7 @@ from jaxshard.cost import (
 from jaxshard.errors import ShardingError
 from jaxshard.graph import Graph, build_graph
 from jaxshard.plan.decide import decide
-from jaxshard.plan.pins import _compute_part, hint_pins, propagate_pins, split_storage
+from jaxshard.plan.pins import hint_pins, propagate_pins, split_storage
 from jaxshard.plan.record import Plan, mesh_axis_sizes, record_of
 from jaxshard.propagate import (
     Propagator,
@@ -91,8 +91,9 @@ def plan_from_graph(
     on the computation (expert parallelism puts the experts dim on the batch's axis on
     purpose); the plan that moves fewer bytes is kept. ``storage`` maps value ids whose
     choice the caller has priced itself to it (per dim, the mesh axes that are storage
-    alone, the rest of the hint being the computation's layout; True: a storage layout
-    as `split_storage` reads it; False: all on the computation); they are not tried
+    alone, the rest of the hint being the computation's layout, whole on a dim storage
+    axes alone split; True: a storage layout as `split_storage` reads it; False: all on
+    the computation); they are not tried
     (the search's hints name one leaf each: trying them would re-plan once per leaf).
     ``chosen``: full specs for arguments by their index among the arguments (the
     search's layouts, `hint_pins`), pinned beside the hints.
@@ -120,7 +121,11 @@ def plan_from_graph(
         axes = ", ".join(repr(a) for d in apart for a in d)
         note = f" (storage: {axes} apart from the computation, gathered at its uses)"
         storage[vid] = Pin(pin.dims, pin.source + note, pin.kind, pin.parts, pin.hint)
-        kept = tuple(_compute_part(d, set(a)) for d, a in zip(pin.dims, apart))
+        # the caller decided the computation's layout too: a dim only storage axes split
+        # is whole there, not open (propagation would give it whatever reaches it first)
+        kept = tuple(
+            d if d is None else tuple(x for x in d if x not in a) for d, a in zip(pin.dims, apart)
+        )
         compute.pop(vid, None)
         if any(d is not None for d in kept):
             compute[vid] = Pin(kept, pin.source, pin.kind, pin.parts, pin.hint)
