@@ -747,3 +747,25 @@ def test_a_clash_the_hints_force_is_no_choices_fault(mesh):
     assert result.optimal, result.explanation  # the model admits a layout and solves
     step = jaxshard.auto_shard(mesh, {"x": P("data")}, search=True)(_routed)
     np.testing.assert_allclose(step(w, x), jax.jit(_routed)(w, x), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "name, fsdp",
+    [
+        ("gpt", {r"params/layers/.*/mlp/w1": P("data", "model"),
+                 r"params/layers/.*/attn/w[qkv]": P("data", "model")}),
+        ("llama", {r"params/layers/(wq|w_gate|w_up)": P(None, "data", "model")}),
+    ],
+)  # fmt: skip
+def test_the_users_fsdp_hints_are_storage_in_the_search_as_in_planning(name, fsdp, mesh):
+    # the hints store some weights on the batch's axis (FSDP + tensor parallel): the
+    # search prices them as planning lays them out, stored on "data" and gathered at
+    # their uses, not computed split over "data" (the model then put their dim's class,
+    # the activations' features, on the batch's axis and priced 2-5% of what
+    # propagation moved)
+    step, args = abstract_step(name)
+    hints = {**BATCH, **fsdp}
+    budget = jaxshard.make_plan(step, args, {}, mesh, hints).estimated_memory.total * 1.1
+    result = search_hints(step, args, {}, mesh, hints, memory_budget=budget)
+    assert result.estimated_bytes == pytest.approx(result.predicted_bytes, rel=0.1)
+    assert result.memory_bytes <= budget

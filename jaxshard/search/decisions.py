@@ -19,6 +19,7 @@ from jaxshard.lattice import Axes
 from jaxshard.plan import (
     contracts,
     hint_pins,
+    split_storage,
 )
 from jaxshard.search.refs import UNSPLIT, Fixed, Follow, Ref, decision_of
 
@@ -128,8 +129,23 @@ class DimClasses:
     problem's)."""
 
     def _pins(self, hints) -> None:
+        """The pins' dims: the computation's part of each (`split_storage`: an FSDP hint's
+        axes the batch spends are storage) fixes the classes, and a leaf is stored as its
+        whole pin says (``stored``)."""
         pins = hint_pins(self.traced, self.graph, hints, self.sizes)
-        self.pins: dict[int, tuple] = {v: p.dims for v, p in pins.items()}
+        compute, storage = split_storage(pins, self.graph)
+        self.pins: dict[int, tuple] = {v: p.dims for v, p in compute.items()}
+        self.stored: dict[int, tuple] = {v: p.dims for v, p in pins.items()}
+        # a storage pin splitting one dim the computation leaves whole is that leaf's
+        # extra axis, fixed (its gathers and gathered copies priced as the search's own)
+        self.user_extra: dict[int, Extra] = {}
+        for v, pin in storage.items():
+            kept = self.pins.get(v, (None,) * len(pin.dims))
+            apart = [d for d, (axes, rest) in enumerate(zip(pin.dims, kept)) if axes and not rest]
+            if len(apart) == 1 and all(
+                rest == axes for axes, rest in zip(pin.dims, kept) if axes and rest
+            ):
+                self.user_extra[v] = Extra(apart[0], tuple(pin.dims[apart[0]]), Scope.ALL)
 
     def _classes(self) -> None:
         """Union-find over (value, dim): every dim joins the class of its major factor,
@@ -273,7 +289,7 @@ class DimClasses:
             group_of[i] = grp
         for i, owner in follows.items():
             grp = group_of.get(owner)
-            pin = self.pins.get(g.in_vids[owner])
+            pin = self.stored.get(g.in_vids[owner])
             if pin is not None:
                 self.owner_pin[i] = pin
             if grp is None:  # its owner is fully pinned: a group of its own
@@ -347,16 +363,21 @@ class DimClasses:
                 ]
         self._follow()
         self.n_class_decisions = len(self.decisions)
+        for grp in self.groups:  # the user's storage pins
+            fixed = {self.user_extra.get(g.in_vids[i]) for i in grp.owners}
+            if len(fixed) == 1 and None not in fixed:
+                grp.extra = len(self.decisions)
+                self.decisions.append(Decision(f"{grp.key} storage (hint)", [fixed.pop()]))
         if self.budget is not None:  # an extra storage axis per group, for memory
             total = sum(self._leaf_bytes(i) for i in self.leaf_group)
             # one mesh axis, or several (ZeRO-3 over the axes the batch takes)
             storage_axes = [(a,) for a, n in self.sizes.items() if n > 1] + combos
             for grp in self.groups:
                 leaves = (*grp.owners, *grp.followers)
-                if sum(self._leaf_bytes(i) for i in leaves) < 1e-3 * total:
+                if grp.extra is not None or sum(self._leaf_bytes(i) for i in leaves) < 1e-3 * total:
                     continue
                 shape = g.shapes[g.in_vids[grp.owners[0]]]
-                pins = [self.pins.get(g.in_vids[i]) for i in leaves]
+                pins = [self.stored.get(g.in_vids[i]) for i in leaves]
                 gatherable = all(self._gathered_at_uses(i) for i in grp.owners)
                 cands: list[Any] = [None]
                 for d, s in enumerate(shape):

@@ -115,7 +115,7 @@ class Problem(DimClasses, Terms, MemoryModel):
                 if lay[d] or any(a in x for x in lay for a in axes):
                     return None
                 lay[d] = axes
-        pin = self.pins.get(v, self.owner_pin.get(i))
+        pin = self.stored.get(v, self.owner_pin.get(i))
         if pin is not None:
             lay = [p if p is not None else x for p, x in zip(pin, lay)]
         return lay
