@@ -18,7 +18,7 @@ from jaxshard.cost import (
 from jaxshard.errors import ShardingError
 from jaxshard.graph import Graph, build_graph
 from jaxshard.plan.decide import decide
-from jaxshard.plan.pins import hint_pins, propagate_pins, split_storage
+from jaxshard.plan.pins import _compute_part, hint_pins, propagate_pins, split_storage
 from jaxshard.plan.record import Plan, mesh_axis_sizes, record_of
 from jaxshard.propagate import (
     Propagator,
@@ -124,7 +124,7 @@ def plan_from_graph(
         # the caller decided the computation's layout too: a dim only storage axes split
         # is whole there, not open (propagation would give it whatever reaches it first)
         kept = tuple(
-            d if d is None else tuple(x for x in d if x not in a) for d, a in zip(pin.dims, apart)
+            d if d is None else _compute_part(d, set(a)) or () for d, a in zip(pin.dims, apart)
         )
         compute.pop(vid, None)
         if any(d is not None for d in kept):

@@ -141,10 +141,8 @@ class DimClasses:
         self.user_extra: dict[int, Extra] = {}
         for v, pin in storage.items():
             kept = self.pins.get(v, (None,) * len(pin.dims))
-            apart = [d for d, (axes, rest) in enumerate(zip(pin.dims, kept)) if axes and not rest]
-            if len(apart) == 1 and all(
-                rest == axes for axes, rest in zip(pin.dims, kept) if axes and rest
-            ):
+            apart = [d for d, (axes, rest) in enumerate(zip(pin.dims, kept)) if axes != rest]
+            if len(apart) == 1 and not kept[apart[0]]:
                 self.user_extra[v] = Extra(apart[0], tuple(pin.dims[apart[0]]), Scope.ALL)
 
     def _classes(self) -> None:
