@@ -187,6 +187,28 @@ def updates(graph: Graph, i: int, o: int, uses: list[list[int]] | None = None) -
     return graph.out_vids[o] in elementwise_reach(graph, graph.in_vids[i], True, uses)
 
 
+def stack_results(graph: Graph, v: int, uses: list[list[int]] | None = None) -> tuple[int, ...]:
+    """The results (output positions) whose buffer XLA may fill with loop stack ``v``:
+    those of its shape that equations treating each element alone compute from it (a
+    scanned gradient's new weights and moments).
+
+    Example:
+        >>> stack_results(plan.graph, v)  # doctest: +SKIP
+        (4, 16)
+    """
+    size, found = graph.memo.get("stack_results", (None, None))
+    if size != len(graph.apps):  # asked per layout the search prices; the graph may grow
+        found = {}
+        graph.memo["stack_results"] = (len(graph.apps), found)
+    hit = found.get(v)
+    if hit is None:
+        shape = graph.shapes[v]
+        outs = [o for o, r in enumerate(graph.out_vids) if graph.shapes[r] == shape]
+        reach = elementwise_reach(graph, v, links=False, uses=uses) if outs else set()
+        hit = found[v] = tuple(o for o in outs if graph.out_vids[o] in reach)
+    return hit
+
+
 def elementwise_reach(
     graph: Graph, v: int, links: bool, uses: list[list[int]] | None = None
 ) -> set[int]:

@@ -35,7 +35,6 @@ from jaxshard.cost.memory import (  # noqa: F401
     EXPENSIVE,
     MemoryCurve,
     MemoryEstimate,
-    _fills_a_result,
     buffer_bytes,
     fused_liveness,
     memory_estimate,

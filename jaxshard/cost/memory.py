@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxshard.cost.schedule import Liveness, liveness, xla_scope
 from jaxshard.cost.sizes import per_device_bytes, per_device_shape
-from jaxshard.graph import AppKind, contracts, elementwise_reach
+from jaxshard.graph import AppKind, contracts, stack_results
 from jaxshard.lattice import DimSharding, slices_locally
 
 
@@ -189,8 +189,9 @@ def fused_liveness(
                     squeezable[o] = int(at[a])
                 break
     return Liveness(
-        owner, live.start, end, kept, live.stacked, live.schedule, squeezable, live.span
-    )
+        owner, live.start, end, kept, live.stacked, live.schedule, squeezable, live.span,
+        live.results_from,
+    )  # fmt: skip
 
 
 def _row_broadcast(graph, app) -> bool:
@@ -303,7 +304,9 @@ def memory_estimate(
     intermediate alive from the equation that makes it to its last reader, every one a
     buffer of its own. XLA fuses elementwise chains (fewer, shorter-lived buffers) and
     may reorder, so this over-counts activations of unfused code; arguments and results
-    (kept apart, as without donation) are exact.
+    (kept apart, as without donation) are exact. A loop's stack that XLA's buffer
+    assignment puts in the buffer of a result written after it (`_in_result_buffers`: a
+    scanned gradient in its new weights' buffer) costs nothing of its own.
 
     Example:
         >>> import jax.numpy as jnp, jaxshard.rules
@@ -333,21 +336,14 @@ def memory_estimate(
         [buffer_bytes(graph, v, dims, axis_sizes, live) for v in live.intermediates],
         dtype=np.int64,
     )
-    # a loop's stacked result that an elementwise update turns into a step result of the
-    # same per-device size (a scanned gradient and its parameter's new value) is filled
-    # in that result's buffer: XLA shares an output's buffer with what computes it
-    for i, v in enumerate(live.intermediates):
-        if (
-            int(v) in live.stacked
-            and sizes[i]
-            and _fills_a_result(graph, int(v), int(sizes[i]), dims, out_dims, axis_sizes)
-        ):
-            sizes[i] = 0
     end = live.end
     for v, t in live.squeezable.items():
         if 1 in per_device_shape(graph.shapes[v], dims[v], axis_sizes):
             end = end.copy() if end is live.end else end
             end[v] = t
+    # XLA's buffer assignment puts a scanned gradient in the buffer of the result it
+    # updates when that is written after the gradient's last reader
+    sizes = _in_result_buffers(graph, live, end, sizes, out_dims, axis_sizes)
     delta = np.zeros(n_apps + 1, dtype=np.int64)
     np.add.at(delta, live.start[live.intermediates], sizes)
     np.add.at(delta, end[live.intermediates] + 1, -sizes)
@@ -360,6 +356,42 @@ def memory_estimate(
     curve = np.cumsum(delta)[:n_apps]
     peak = int(np.argmax(curve))
     return MemoryEstimate(args, results, int(curve[peak]), peak)
+
+
+def _in_result_buffers(graph, live: Liveness, end, sizes, out_dims, axis_sizes) -> np.ndarray:
+    """``sizes`` (of ``live.intermediates``) less the loop stacks XLA's buffer assignment
+    puts in a result's buffer: one of the stack's results (`stack_results`: the new
+    weights and moments a scanned gradient updates) of exactly its per-device size,
+    first written after the stack's last reader, holding one stack at a time (largest
+    first). A stack its result's own equation reads (a plain SGD update) and other
+    temporaries keep buffers of their own.
+
+    Example:
+        >>> _in_result_buffers(g, live, live.end, sizes, out_dims, {"data": 2})  # doctest: +SKIP
+        array([0, 512])
+    """
+    inter = live.intermediates
+    stacks = [i for i, v in enumerate(inter) if int(v) in live.stacked and sizes[i]]
+    if not stacks:
+        return sizes
+    sizes, busy = sizes.copy(), {}
+    n = len(graph.apps)
+    for i in sorted(stacks, key=lambda i: -int(sizes[i])):
+        v = int(inter[i])
+        first, last = int(live.start[v]), int(end[v])
+        for o in stack_results(graph, v):
+            r = graph.out_vids[o]
+            own = per_device_bytes(graph.shapes[r], graph.dtypes[r], out_dims[o], axis_sizes)
+            spans = busy.setdefault(o, [])
+            if (
+                own == sizes[i]
+                and live.results_from.get(live.owner[r], n) > last
+                and not any(first <= b and a <= last for a, b in spans)
+            ):
+                spans.append((first, last))
+                sizes[i] = 0
+                break
+    return sizes
 
 
 def transient_peaks(live: Liveness, end: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int]]:
@@ -470,20 +502,6 @@ def _read_as_it_is(local: Sequence[int], batch: tuple, summed: tuple, left: bool
     kinds = "".join("c" if d in summed else "f" for d in range(len(local)) if local[d] != 1)
     grouped = kinds == "".join(sorted(kinds, reverse=True))  # free dims, then contracted
     return grouped or kinds == "cf"  # one contracted and one free dim: a transposed matrix
-
-
-def _fills_a_result(graph, v: int, size: int, dims, out_dims, axis_sizes) -> bool:
-    """Whether a result of per-device ``size`` bytes is computed from value ``v`` by
-    equations that keep its shape and treat each element alone."""
-    shape = graph.shapes[v]
-    results = {
-        r: per_device_bytes(graph.shapes[r], graph.dtypes[r], d, axis_sizes)
-        for r, d in zip(graph.out_vids, out_dims)
-        if graph.shapes[r] == shape
-    }
-    if size not in results.values():
-        return False
-    return any(results.get(u) == size for u in elementwise_reach(graph, v, links=False))
 
 
 def buffer_bytes(graph, v: int, dims, axis_sizes: Mapping[str, int], live: Liveness) -> int:

@@ -206,6 +206,9 @@ class Liveness:
     # program order: the order within a run of applications the schedule moves to one
     # time (`transient_peaks`)
     span: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    # per owner of a result the step computes (not an argument returned as it is), the
+    # first time anything is written into its buffer
+    results_from: Mapping[int, int] = field(default_factory=dict)
 
 
 def liveness(
@@ -311,6 +314,12 @@ def liveness(
     _hold_loop_consts(graph, sched, owner, made, skip, end)
     boundary = {owner[v] for v in (*graph.in_vids, *graph.out_vids)}
     produced = start < big
+    inputs = {owner[v] for v in graph.in_vids}
+    results_from = {
+        owner[v]: int(start[owner[v]])
+        for v in graph.out_vids
+        if produced[owner[v]] and owner[v] not in inputs
+    }
     for o in boundary:
         produced[o] = False
     roots = np.array([owner[v] == v for v in range(n)], dtype=bool)
@@ -320,7 +329,7 @@ def liveness(
     end = np.where(keep, end, -1)
     kept = np.flatnonzero(keep)
     spans = {int(o): (span[o][0], span[o][1]) for o in kept if start[o] == end[o]}
-    return Liveness(owner, start, end, kept, stacked, sched, span=spans)
+    return Liveness(owner, start, end, kept, stacked, sched, span=spans, results_from=results_from)
 
 
 def _hold_loop_consts(graph, sched: Schedule, owner, made, skip, end: np.ndarray) -> None:

@@ -17,7 +17,7 @@ from jaxshard.cost import (  # noqa: F401 (fused_liveness re-exported)
     nbytes,
     per_device_bytes,
 )
-from jaxshard.graph import elementwise_reach
+from jaxshard.graph import stack_results
 
 
 class MemoryModel:
@@ -32,8 +32,8 @@ class MemoryModel:
         """Live intermediates at application ``t``: constant bytes, and per term the
         bytes under each joint choice. Each buffer is priced as
         `jaxshard.cost.memory_estimate` prices it (`buffer_bytes`): a loop's stack in its
-        per-iteration layout, a stacked gradient filled in its result's buffer. Rows do
-        not depend on the budget: each is computed once per problem."""
+        per-iteration layout, a stack in the buffer of a result written after it. Rows
+        do not depend on the budget: each is computed once per problem."""
         found = self._activation_rows.get(t)
         if found is None:
             found = self._activation_rows[t] = self._activation_row(t)
@@ -47,7 +47,8 @@ class MemoryModel:
         by_sig: dict[tuple, list] = {}
         for v in live.intermediates[mask]:
             v = int(v)
-            key = (self.refs(v), g.shapes[v], g.dtypes[v], *self._buffer_parts(v))
+            inner, fills = self._buffer_parts(v)
+            key = (self.refs(v), g.shapes[v], g.dtypes[v], inner, self._written_after(v, fills))
             hit = by_sig.get(key)
             if hit is None:
                 by_sig[key] = [v, 1]
@@ -95,8 +96,8 @@ class MemoryModel:
 
     def _buffer_parts(self, v: int) -> tuple[int | None, tuple[int, ...]]:
         """For intermediate ``v``: the per-iteration value of a loop's stack (None if
-        not one), and the results (output positions) of its shape that equations
-        treating each element alone compute from it (whose buffer a stack may fill)."""
+        not one), and the results (output positions) whose buffer the stack may fill
+        (`jaxshard.graph.stack_results`)."""
         cache = self.__dict__.setdefault("_parts", {})
         hit = cache.get(v)
         if hit is None:
@@ -104,11 +105,7 @@ class MemoryModel:
             inner = self.live.stacked.get(v)
             fills: tuple[int, ...] = ()
             if inner is not None:
-                shape = g.shapes[v]
-                outs = [o for o, r in enumerate(g.out_vids) if g.shapes[r] == shape]
-                if outs:
-                    reach = elementwise_reach(g, v, links=False, uses=self._uses_table())
-                    fills = tuple(o for o in outs if g.out_vids[o] in reach)
+                fills = stack_results(g, v, self._uses_table())
             hit = cache[v] = (inner, fills)
         return hit
 
@@ -149,15 +146,27 @@ class MemoryModel:
 
     def _buffer(self, v: int, inner: int | None, fills: tuple[int, ...], choice) -> int:
         """Per-device bytes of intermediate ``v``'s buffer under a choice
-        (`jaxshard.cost.buffer_bytes`, and 0 when a result's buffer holds it)."""
-        if any(self._stored_on_extra(o, choice) for o in fills):
+        (`jaxshard.cost.buffer_bytes`, and 0 when a result's buffer holds it: one of
+        ``fills`` of its size, written after ``v``'s last reader)."""
+        later = self._written_after(v, fills)
+        if any(self._stored_on_extra(o, choice) for o in later):
             # the update of a leaf stored apart runs in its storage layout, the stacked
             # gradient too (`jaxshard.plan.store_updates`): it fills the result's buffer
             return 0
         dims = {u: tuple(self.axes(r, choice) for r in self.refs(u)) for u in (v, inner)
                 if u is not None}  # fmt: skip
         size = buffer_bytes(self.graph, v, dims, self.sizes, self.live)
-        return 0 if any(self._result_bytes(o, choice) == size for o in fills) else size
+        return 0 if any(self._result_bytes(o, choice) == size for o in later) else size
+
+    def _written_after(self, v: int, fills: tuple[int, ...]) -> tuple[int, ...]:
+        """Those of results ``fills`` first written after ``v``'s last reader (an update
+        that reads the stack as it writes its result, plain SGD's, keeps it apart)."""
+        g, live = self.graph, self.live
+        n = len(g.apps)
+        return tuple(
+            o for o in fills
+            if live.results_from.get(live.owner[g.out_vids[o]], n) > live.end[v]
+        )  # fmt: skip
 
     def _stored_on_extra(self, o: int, choice) -> bool:
         """Whether result ``o`` is the new value of a leaf the choice stores on an extra
