@@ -187,7 +187,7 @@ def updates(graph: Graph, i: int, o: int, uses: list[list[int]] | None = None) -
     return graph.out_vids[o] in elementwise_reach(graph, graph.in_vids[i], True, uses)
 
 
-def stack_results(graph: Graph, v: int, uses: list[list[int]] | None = None) -> tuple[int, ...]:
+def stack_results(graph: Graph, v: int) -> tuple[int, ...]:
     """The results (output positions) whose buffer XLA may fill with loop stack ``v``:
     those of its shape that equations treating each element alone compute from it (a
     scanned gradient's new weights and moments).
@@ -196,10 +196,10 @@ def stack_results(graph: Graph, v: int, uses: list[list[int]] | None = None) -> 
         >>> stack_results(plan.graph, v)  # doctest: +SKIP
         (4, 16)
     """
-    size, found = graph.memo.get("stack_results", (None, None))
+    size, found, uses = graph.memo.get("stack_results", (None, None, None))
     if size != len(graph.apps):  # asked per layout the search prices; the graph may grow
-        found = {}
-        graph.memo["stack_results"] = (len(graph.apps), found)
+        found, uses = {}, graph.uses()
+        graph.memo["stack_results"] = (len(graph.apps), found, uses)
     hit = found.get(v)
     if hit is None:
         shape = graph.shapes[v]

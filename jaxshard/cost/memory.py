@@ -375,7 +375,6 @@ def _in_result_buffers(graph, live: Liveness, end, sizes, out_dims, axis_sizes) 
     if not stacks:
         return sizes
     sizes, busy = sizes.copy(), {}
-    n = len(graph.apps)
     for i in sorted(stacks, key=lambda i: -int(sizes[i])):
         v = int(inter[i])
         first, last = int(live.start[v]), int(end[v])
@@ -385,7 +384,7 @@ def _in_result_buffers(graph, live: Liveness, end, sizes, out_dims, axis_sizes) 
             spans = busy.setdefault(o, [])
             if (
                 own == sizes[i]
-                and live.results_from.get(live.owner[r], n) > last
+                and live.written_after(r, last)
                 and not any(first <= b and a <= last for a, b in spans)
             ):
                 spans.append((first, last))

@@ -5,6 +5,7 @@ XLA never allocates (bitcasts, common subexpressions it merges, calls it inlines
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -209,6 +210,16 @@ class Liveness:
     # per owner of a result the step computes (not an argument returned as it is), the
     # first time anything is written into its buffer
     results_from: Mapping[int, int] = field(default_factory=dict)
+
+    def written_after(self, r: int, t: int) -> bool:
+        """Whether result value ``r``'s buffer is first written after time ``t`` (a result
+        the step does not compute, an argument returned as it is, is copied in at the end).
+
+        Example:
+            >>> live.written_after(graph.out_vids[0], 12)  # doctest: +SKIP
+            True
+        """
+        return self.results_from.get(self.owner[r], math.inf) > t
 
 
 def liveness(

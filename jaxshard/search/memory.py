@@ -98,22 +98,8 @@ class MemoryModel:
         """For intermediate ``v``: the per-iteration value of a loop's stack (None if
         not one), and the results (output positions) whose buffer the stack may fill
         (`jaxshard.graph.stack_results`)."""
-        cache = self.__dict__.setdefault("_parts", {})
-        hit = cache.get(v)
-        if hit is None:
-            g = self.graph
-            inner = self.live.stacked.get(v)
-            fills: tuple[int, ...] = ()
-            if inner is not None:
-                fills = stack_results(g, v, self._uses_table())
-            hit = cache[v] = (inner, fills)
-        return hit
-
-    def _uses_table(self) -> list[list[int]]:
-        table = self.__dict__.get("_uses_cache")
-        if table is None:
-            table = self.__dict__["_uses_cache"] = self.graph.uses()
-        return table
+        inner = self.live.stacked.get(v)
+        return inner, () if inner is None else stack_results(self.graph, v)
 
     def _result_decisions(self, o: int) -> set[int]:
         """The decisions result ``o``'s layout depends on (a tied one: its argument's)."""
@@ -161,12 +147,8 @@ class MemoryModel:
     def _written_after(self, v: int, fills: tuple[int, ...]) -> tuple[int, ...]:
         """Those of results ``fills`` first written after ``v``'s last reader (an update
         that reads the stack as it writes its result, plain SGD's, keeps it apart)."""
-        g, live = self.graph, self.live
-        n = len(g.apps)
-        return tuple(
-            o for o in fills
-            if live.results_from.get(live.owner[g.out_vids[o]], n) > live.end[v]
-        )  # fmt: skip
+        out, live = self.graph.out_vids, self.live
+        return tuple(o for o in fills if live.written_after(out[o], live.end[v]))
 
     def _stored_on_extra(self, o: int, choice) -> bool:
         """Whether result ``o`` is the new value of a leaf the choice stores on an extra
