@@ -621,6 +621,20 @@ def contracts(app) -> bool:
     )
 
 
+def moved_back(moved: Sequence[int], layout: Sequence) -> tuple:
+    """The layout of a move's operand (``moved``: its `view_dims`) that puts its result
+    in ``layout``.
+
+    Example:
+        >>> moved_back((1, 0, 2), (("data",), (), ("model",)))
+        ((), ('data',), ('model',))
+    """
+    operand: list = [None] * len(moved)
+    for d, src in enumerate(moved):
+        operand[src] = layout[d]
+    return tuple(operand)
+
+
 def view_dims(app) -> tuple[int, ...] | None:
     """For an equation that only moves or converts one array (a transpose, a dtype cast,
     a layout constraint): per result dim, the operand dim it holds; None for any other.

@@ -496,8 +496,9 @@ def test_search_plans_its_storage_layouts_once(gpt, mesh, megatron, monkeypatch)
     states = [s for k, s in result.hints.items() if k.startswith("opt_state")]
     assert any("data" in jax.tree.leaves(tuple(s)) for s in states)  # ZeRO on "data"
     # one propagation per layout the solver returns, at most three per budget tried (its
-    # headroom, then the budget itself): not one per leaf
-    assert len(calls) <= 6
+    # headroom, then the budget itself), and one more where a weight's gradient took
+    # another layout than the weight's (`_gradients_where_stored`): not one per leaf
+    assert len(calls) <= 8
 
 
 # the estimate lands within HEADROOM of so tight a budget: the search says so, and the
@@ -670,8 +671,10 @@ def test_weights_behind_a_transpose_may_be_stored_apart(mesh):
 def test_the_search_names_the_axes_that_store_a_leaf_apart(mesh):
     """A weight the search stores on ("data", "model") and computes with whole: both axes
     are storage, although the batch leaves "model" free. Read from the batch's axes
-    alone, "model" stayed on the computation: the update ran on it, moved there and
-    back."""
+    alone, "model" stays on the computation's pins and the first plan runs the update
+    on it, moved there and back; the plan made again with the gradient in the weight's
+    layout (`_gradients_where_stored`) moves what the named storage does, in one more
+    propagation."""
     f32 = jnp.float32
 
     def step(w, x):
@@ -686,8 +689,8 @@ def test_the_search_names_the_axes_that_store_a_leaf_apart(mesh):
     told = plan_from_graph(traced, graph, mesh, hints, storage={w: (("data", "model"), ())})
     assert [r.dst for r in told.reshards if r.vid == w] == [((), ())]  # gathered for its use
     assert told.out_dims[0] == (("data", "model"), ())
-    assert [r.dst for r in guessed.reshards if r.vid == w][1:] == [(("model",), ())] * 2
-    assert told.predicted_bytes < guessed.predicted_bytes
+    assert [r.dst for r in guessed.reshards if r.vid == w] == [((), ())]
+    assert told.predicted_bytes == guessed.predicted_bytes
 
 
 def test_optimizer_state_is_matched_to_its_parameter_by_path():

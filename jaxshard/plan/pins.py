@@ -16,7 +16,7 @@ from jaxshard.cost import (
     xla_scope,
 )
 from jaxshard.errors import ShardingError
-from jaxshard.graph import AppKind, Graph, find_root
+from jaxshard.graph import AppKind, Graph, contracts, find_root, moved_back, view_dims
 from jaxshard.lattice import DimSharding, spec_entry
 from jaxshard.propagate import (
     STORAGE_RANK,
@@ -108,14 +108,16 @@ def propagate_pins(
     storage: Mapping[int, Pin],
     cost_model: CostModel | None = None,
     free_factors: bool = True,
+    reduce_scatter: bool = True,
 ) -> Propagator:
     """Propagation from the computation's pins to a fixed point, then from the storage
-    pins at `STORAGE_RANK` into what is still open. ``free_factors``: see `Propagator`.
+    pins at `STORAGE_RANK` into what is still open. ``free_factors`` and
+    ``reduce_scatter``: see `Propagator`.
 
     Example:
         >>> prop = propagate_pins(graph, {"data": 2}, {0: pin}, {})  # doctest: +SKIP
     """
-    prop = Propagator(graph, axis_sizes, cost_model, free_factors)
+    prop = Propagator(graph, axis_sizes, cost_model, free_factors, reduce_scatter)
     for vid, pin in compute.items():
         prop.pin(vid, pin)
     prop.run()  # the computation's layout first: it outranks every storage layout
@@ -127,7 +129,9 @@ def propagate_pins(
     return prop
 
 
-def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) -> None:
+def store_updates(
+    graph: Graph, prop: Propagator, storage: Mapping[int, Pin], overwrite: bool = False
+) -> None:
     """Lay out the update of stored state in its storage layout (ZeRO/FSDP: the
     optimizer update on shards, reading the gradient sliced), where propagation left it
     in a coarser compute layout.
@@ -137,13 +141,17 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
     new state depends on (not the loss or any other result) and whose layout the storage
     layout refines (adds axes to replicated dims) takes the storage layout. So do the
     unpinned state leaves the update reads (the optimizer's moments: argument and new
-    value) and a loop's stacked gradient (each iteration's slice is cut where it is
-    stored). The first propagation run can leave such a chain replicated on the storage
+    value) and a loop's stacked gradient, with its slice in the loop's body back to the
+    contraction that sums it (`_sum_where_stored`: a reduce-scatter into the shards per
+    iteration). The first propagation run can leave such a chain replicated on the storage
     axis (a dim the activations' hints replicate reaches the gradient and the update):
     the plan then kept the moments whole on every device and gathered them for the
     results. A value a non-scalar result of the step depends on keeps its layout; a
     scalar result (a norm of the gradients or of the new parameters, as a training
-    step's metrics) does not hold it.
+    step's metrics) does not hold it. With ``overwrite``, the chain takes the layout
+    whether or not it refines the one propagation gave it (a gradient that took the
+    activations' feature axis on another dim: `jaxshard.plan.make` prices that plan
+    against the one without).
 
     Example:
         >>> store_updates(graph, prop, storage)  # doctest: +SKIP
@@ -153,6 +161,7 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
     for a, app in enumerate(graph.apps):
         for v in app.results if app.kind is not AppKind.TIE else ():
             producer.setdefault(v, a)
+    makers = None  # the equation making each value, once a loop's body is entered
     state_out = {graph.out_vids[o] for _, o in graph.ties}
     # values some other result depends on: the computation's, never touched. A scalar
     # result (the loss, a gradient's or the new parameters' norm) reads what it reduces
@@ -165,7 +174,7 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
     # a loop's stacked results (a scanned gradient): each iteration's slice is cut from
     # the body's value where it is stored, so the stack can take the storage layout
     stacked_results = {
-        graph.apps[a].operands[0]
+        graph.apps[a].operands[0]: graph.apps[a].results[0]
         for a in graph.out_links
         if len(graph.shapes[graph.apps[a].operands[0]])
         == len(graph.shapes[graph.apps[a].results[0]]) + 1
@@ -189,7 +198,7 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
                 continue
             if v in state_out and v != new and v not in followers:
                 continue  # another pinned state leaf's new value keeps its own layout
-            if not _refines(layout, dims[v]) or not _divides(
+            if not (overwrite or _refines(layout, dims[v])) or not _divides(
                 layout, graph.shapes[v], prop.axis_sizes
             ):
                 continue
@@ -204,6 +213,11 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
                 prop.hinted.add(v)
             if v in stacked_results:
                 _store(layouts[v], layout, f"{pin.source}, its update")
+                if not layout[0]:
+                    makers = makers if makers is not None else graph.producers()
+                    _sum_where_stored(
+                        graph, prop, makers, stacked_results[v], layout[1:], pin.source, overwrite
+                    )
                 continue
             a = producer.get(v)
             if a is None or xla_scope(graph.apps[a].where):
@@ -213,6 +227,41 @@ def store_updates(graph: Graph, prop: Propagator, storage: Mapping[int, Pin]) ->
                 continue  # the gradient: sliced where the update reads it
             _store(layouts[v], layout, f"{pin.source}, its update")
             work.extend(zip(app.operands, _operand_layouts(app, v, layout)))
+
+
+def _sum_where_stored(
+    graph: Graph,
+    prop: Propagator,
+    producer: Mapping[int, int],
+    v: int,
+    layout: Sequence[DimSharding],
+    source: str,
+    overwrite: bool,
+) -> None:
+    """Inside a loop body, lay out the slice of a stacked gradient (``v``, one
+    iteration's value) in its storage ``layout``, back through layout moves (a
+    transpose) to the contraction that sums it: the sum then lands on its shards (a
+    reduce-scatter per iteration) instead of being summed whole (an all-reduce) and
+    sliced, and the loop carries one shard per layer. Each value on the way has no use
+    but the next; one that has another keeps its layout. ``overwrite``: as in
+    `store_updates`."""
+    dims, layouts, uses = prop.state.dims, prop.state.layouts, prop.uses
+    while sum(v in graph.apps[u].operands for u in uses[v]) <= 1:
+        if not (overwrite or _refines(layout, dims[v])) or not _divides(
+            layout, graph.shapes[v], prop.axis_sizes
+        ):
+            return
+        a = producer.get(v)
+        if a is None:
+            return
+        app = graph.apps[a]
+        moved = view_dims(app)
+        if moved is None and not contracts(app):
+            return
+        _store(layouts[v], layout, f"{source}, its gradient summed where it is stored")
+        if moved is None:
+            return
+        v, layout = app.operands[0], moved_back(moved, layout)
 
 
 def _store(row: list[DimState], layout: Sequence[DimSharding], text: str) -> None:

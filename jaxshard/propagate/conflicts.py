@@ -364,7 +364,7 @@ class ConflictPolicy:
         """What moving value ``vid`` from ``src`` to ``dst`` costs: bytes per device, or
         seconds under the cost model."""
         shape, dtype, sizes = self.graph.shapes[vid], self.graph.dtypes[vid], self.axis_sizes
-        steps = reshard_collectives(shape, dtype, src, dst, sizes, partial)
+        steps = reshard_collectives(shape, dtype, src, dst, sizes, partial, self.reduce_scatter)
         return sum(self._step_price(s) for s in steps) + 0.0
 
     def _step_price(self, step: Collective) -> float:

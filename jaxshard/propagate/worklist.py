@@ -55,8 +55,13 @@ class Propagator(Projection, ConflictPolicy):
         axis_sizes: Mapping[str, int],
         cost_model: CostModel | None = None,
         free_factors: bool = True,
+        reduce_scatter: bool = True,
     ):
         self.graph = graph
+        # whether the devices run a reduce-scatter as such (`has_reduce_scatter`): on a
+        # CPU it costs the all-reduce of its input, and a conflict priced otherwise picks a
+        # partial sum that moves twice the bytes of the gather it passed over
+        self.reduce_scatter = reduce_scatter
         # whether a contraction may give an unhinted weight's free factor the axes of a
         # contracted one (`_free_factor_instead`), and the weights that took one: value
         # -> (its dims as the contraction would have them, the application, the argument
