@@ -222,7 +222,14 @@ def _gradients_where_stored(
     a loop, held unsplit for every layer. Here the plan is made again with the update,
     the stacked gradient and the body's slice of it back to the contraction laid out as
     the weight (`store_updates` with ``overwrite``): the contraction's sum then lands on
-    the weight's shards (a reduce-scatter) and the loop carries one shard per layer."""
+    the weight's shards (a reduce-scatter) and the loop carries one shard per layer.
+
+    That propagation prices a reduce-scatter as the mesh's devices run it
+    (`has_reduce_scatter`: on a CPU, the all-reduce of its input): the gather an
+    activation's matmul shared with the gradient's is no longer shared, and priced as a
+    reduce-scatter the partial sum that replaces it looks cheaper than it runs. The
+    first plan keeps the usual price: with the mesh's, greedy choices elsewhere (Flax's
+    Gemma FSDP + tensor-parallel example) came out worse by the plan's own count."""
     state = {graph.in_vids[i] for i, _ in graph.ties}
     pinned = {v: p for v, p in compute.items() if v in state and v not in storage}
     pinned.update((v, p) for v, p in storage.items() if v in state)

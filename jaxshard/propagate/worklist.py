@@ -58,9 +58,9 @@ class Propagator(Projection, ConflictPolicy):
         reduce_scatter: bool = True,
     ):
         self.graph = graph
-        # whether the devices run a reduce-scatter as such (`has_reduce_scatter`): on a
-        # CPU it costs the all-reduce of its input, and a conflict priced otherwise picks a
-        # partial sum that moves twice the bytes of the gather it passed over
+        # whether conflicts price a reduce-scatter as such, or as the all-reduce of its
+        # input that a CPU runs (`has_reduce_scatter`; `jaxshard.plan.make` passes the
+        # mesh's for the plan that sums gradients into their shards)
         self.reduce_scatter = reduce_scatter
         # whether a contraction may give an unhinted weight's free factor the axes of a
         # contracted one (`_free_factor_instead`), and the weights that took one: value
