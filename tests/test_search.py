@@ -496,9 +496,8 @@ def test_search_plans_its_storage_layouts_once(gpt, mesh, megatron, monkeypatch)
     states = [s for k, s in result.hints.items() if k.startswith("opt_state")]
     assert any("data" in jax.tree.leaves(tuple(s)) for s in states)  # ZeRO on "data"
     # one propagation per layout the solver returns, at most three per budget tried (its
-    # headroom, then the budget itself), and one more where a weight's gradient took
-    # another layout than the weight's (`_gradients_where_stored`): not one per leaf
-    assert len(calls) <= 8
+    # headroom, then the budget itself): not one per leaf
+    assert len(calls) <= 6
 
 
 # the estimate lands within HEADROOM of so tight a budget: the search says so, and the

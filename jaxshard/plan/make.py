@@ -153,6 +153,8 @@ def plan_from_graph(
         trial = decide(traced, graph, prop, mesh)
         if trial.predicted_bytes < plan.predicted_bytes:
             plan, compute, storage = trial, trial_compute, trial_storage
+    if decided:  # the search's layouts: its model priced them as propagation lays them out
+        return plan
     return _gradients_where_stored(traced, graph, mesh, plan, compute, storage, cost_model, free)
 
 
