@@ -219,7 +219,7 @@ def store_updates(
                 if overwrite and not layout[0]:
                     makers = makers if makers is not None else graph.producers()
                     _sum_where_stored(
-                        graph, prop, makers, stacked_results[v], layout[1:], pin.source, overwrite
+                        graph, prop, makers, stacked_results[v], layout[1:], pin.source
                     )
                 continue
             a = producer.get(v)
@@ -239,20 +239,17 @@ def _sum_where_stored(
     v: int,
     layout: Sequence[DimSharding],
     source: str,
-    overwrite: bool,
 ) -> None:
     """Inside a loop body, lay out the slice of a stacked gradient (``v``, one
     iteration's value) in its storage ``layout``, back through layout moves (a
     transpose) to the contraction that sums it: the sum then lands on its shards (a
     reduce-scatter per iteration) instead of being summed whole (an all-reduce) and
     sliced, and the loop carries one shard per layer. Each value on the way has no use
-    but the next; one that has another keeps its layout. ``overwrite``: as in
-    `store_updates`."""
-    dims, layouts, uses = prop.state.dims, prop.state.layouts, prop.uses
+    but the next; one that has another keeps its layout. Whatever layout propagation
+    gave the slice is replaced (`store_updates` with ``overwrite``)."""
+    layouts, uses = prop.state.layouts, prop.uses
     while sum(v in graph.apps[u].operands for u in uses[v]) <= 1:
-        if not (overwrite or _refines(layout, dims[v])) or not _divides(
-            layout, graph.shapes[v], prop.axis_sizes
-        ):
+        if not _divides(layout, graph.shapes[v], prop.axis_sizes):
             return
         a = producer.get(v)
         if a is None:
