@@ -153,15 +153,21 @@ class Graph:
 
     def producers(self) -> dict[int, int]:
         """For each value an equation makes, that equation (arguments, and the values a
-        loop or call passes in, have none).
+        loop or call passes in, have none). Shared between callers: read it, never
+        change it.
 
         Example:
             >>> g = Graph(); g.producers()
             {}
         """
-        return {
+        cached = self.memo.get("producers")
+        if cached is not None and cached[0] == len(self.apps):  # planning asks often
+            return cached[1]
+        made = {
             v: a for a, app in enumerate(self.apps) if app.kind is AppKind.EQN for v in app.results
         }
+        self.memo["producers"] = (len(self.apps), made)
+        return made
 
     def uses(self) -> list[list[int]]:
         """For each value, the applications it takes part in."""

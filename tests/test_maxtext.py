@@ -33,11 +33,6 @@ def test_maxtexts_rules_move_no_more_bytes_than_maxtext(llama):
     assert row.bytes <= 1.05 * reference.bytes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="within 1.01x MaxText's memory, but verify reports one collective the plan "
-    "does not predict: a 4-byte all-reduce over 'fsdp' (a norm's scalar partial sum)",
-)
 def test_maxtexts_rules_cost_no_more_memory_than_maxtext(llama):
     m, reference = llama
     row = maxtext_llama.jaxshard_row(m, "rules")
@@ -63,10 +58,13 @@ def test_the_batch_hint_alone_gathers_the_tokens_for_the_expert_matmuls():
     assert "column layout for" in row.plan.explain()
 
 
-def test_maxtexts_7b_step_compiles_as_predicted_with_its_rules():
-    # MaxText's llama2-7b config on 64 devices (a process of its own), compiled from
-    # abstract arguments: with MaxText's rules the predicted bytes and the memory estimate
-    # hold once compiled, and the plan moves fewer bytes than MaxText's own program
+@pytest.mark.parametrize("model", ["llama2", "mixtral"])
+def test_maxtexts_real_step_compiles_as_predicted_with_its_rules(model):
+    # MaxText's llama2-7b and mixtral-8x7b configs on 64 devices (a process of its own),
+    # compiled from abstract arguments: with MaxText's rules the predicted bytes hold once
+    # compiled, the plan moves fewer bytes than MaxText's own program in at most 1.02x its
+    # memory, and the memory estimate holds (mixtral's within 25%: XLA puts the expert
+    # stacks moved for the scan in buffers the estimate holds apart)
     import os
     import subprocess
     import sys
@@ -74,7 +72,7 @@ def test_maxtexts_7b_step_compiles_as_predicted_with_its_rules():
     example = os.path.join(os.path.dirname(maxtext_llama.__file__), "maxtext_llama.py")
     env = {**os.environ, "JAXSHARD_MAXTEXT_DEVICES": "64"}
     done = subprocess.run(
-        [sys.executable, example, "llama2", "true", "real"],
+        [sys.executable, example, model, "true", "real"],
         env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
     rows = {
@@ -85,5 +83,6 @@ def test_maxtexts_7b_step_compiles_as_predicted_with_its_rules():
     predicted, compiled = gib(rules[1])
     estimated, held = gib(rules[2])
     assert predicted == pytest.approx(compiled, rel=0.01)
-    assert estimated == pytest.approx(held, rel=0.1)
-    assert float(rules[3].split("x")[0]) <= 1.0  # bytes against MaxText's own program
+    assert estimated == pytest.approx(held, rel=0.1 if model == "llama2" else 0.25)
+    bytes_ratio, memory_ratio = (float(x.strip().rstrip("x")) for x in rules[3].split(","))
+    assert bytes_ratio <= 1.0 and memory_ratio <= 1.02  # against MaxText's own program

@@ -1,7 +1,8 @@
 """Settling what propagation left open: large state no hint reached is split where that
 saves memory for few more collective bytes (`split_for_memory`, priced by `_Pricing`),
-the rest is replicated (`settle_open`), stacked slices keep their stack's layout, and
-the `Plan` is made (`decide`)."""
+the rest is replicated (`settle_open`), stacked slices keep their stack's layout, a
+scalar sum (a norm) reads what it sums where it lies (`sum_where_it_lies`), and the
+`Plan` is made (`decide`)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,70 @@ def settle_open(prop: Propagator) -> None:
     prop.default(g.in_vids, UNREACHED)
     prop.default(range(len(g.shapes)), UNREACHED)
     sink_stacked_gathers(g, prop)
+    sum_where_it_lies(g, prop)
+
+
+def sum_where_it_lies(graph: Graph, prop: Propagator) -> None:
+    """Sum a value to a scalar in the layout it has, not in one it is moved to first.
+
+    A norm (a gradient's global norm for clipping, the metrics' norms of the gradients
+    and the new parameters) squares each leaf and sums it to a scalar. Propagation may
+    leave the squares in another layout than the leaf's (the layout the gradient had
+    before its update was laid out as stored): the plan then gathered a whole gradient
+    (7 GiB of a Mixtral-8x7B expert stack per device) to square it. Where a scalar
+    reduction reads elementwise values that nothing else reads (the square, a cast, a
+    scaling by a scalar, optax's ``x.real**2 + x.imag**2`` with its broadcast zeros),
+    made from values that all have one layout, those values take it: each device squares
+    and sums its own shard, and one scalar is all-reduced.
+
+    Example:
+        >>> sum_where_it_lies(plan.graph, prop)  # doctest: +SKIP
+    """
+    layouts, uses = prop.state.layouts, prop.uses
+    shapes, apps = graph.shapes, graph.apps
+    producer = None
+    for app in apps:
+        if (
+            app.kind is not AppKind.EQN
+            or len(app.results) != 1
+            or shapes[app.results[0]] != ()
+            or len(app.operands) != 1
+            or not any(f.kind is FactorKind.REDUCTION for f in app.rule.factors)
+        ):
+            continue
+        producer = producer if producer is not None else graph.producers()
+        members, sources, todo = [], set(), [app.operands[0]]
+        while todo:
+            v = todo.pop()
+            made = producer.get(v)
+            step = None if made is None else apps[made]
+            if step is None or _readers(apps, uses[v], v) != 1 or len(step.results) != 1:
+                sources.add(v)
+                continue
+            arrays = {o for o in step.operands if shapes[o] != ()}
+            if not all(f.plain for f in step.rule.factors) or any(
+                shapes[o] != shapes[v] for o in arrays
+            ):
+                sources.add(v)
+                continue
+            members.append((made, v))  # made from scalars alone, it takes any layout
+            todo.extend(arrays)
+        layout = {tuple(s.axes for s in layouts[v]) for v in sources}
+        if not members or len(layout) != 1 or None in next(iter(layout)):
+            continue
+        source = min(sources)
+        row = layouts[source]
+        for made, c in members:
+            here = layouts[c]
+            for d, s in enumerate(row):
+                if here[d].axes != s.axes:
+                    here[d] = DimState(s.axes, OriginKind.PROPAGATED, app=made, source=source,
+                                       source_dim=d, rank=s.rank)  # fmt: skip
+
+
+def _readers(apps, used: Sequence[int], v: int) -> int:
+    """How many applications read ``v`` (of those it takes part in)."""
+    return sum(1 for b in used if v in apps[b].operands)
 
 
 def sink_stacked_gathers(graph: Graph, prop: Propagator) -> None:
