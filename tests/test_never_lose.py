@@ -124,13 +124,13 @@ def test_fsdp_weight_is_stored_sharded_and_gathered_at_use(mesh, model):
     assert_steps_match(sharded, reference, params, opt_state, batch)
 
 
-def test_a_scanned_weights_gradient_is_summed_into_its_shards(mesh):
-    """MaxText's layouts: each layer's weights stored over the batch's axis on their
-    embedding dim and over "model" on their hidden dim, the activations' embedding dim
-    over "model". The gradient contraction meets the activations' layout first; it is
-    still summed straight into the weight's shards (a reduce-scatter per layer, not an
-    all-reduce and an all-to-all), the loop carries one shard of each layer's gradient,
-    and the memory stays within Shardy alone's. AdamW steps match the unsharded ones."""
+def _maxtext_like(layer_second: bool):
+    """A 4-layer scanned step in MaxText's layouts: each layer's weights stored over the
+    batch's axis on their embedding dim and over "model" on their hidden dim, the
+    activations' embedding dim over "model". With ``layer_second`` (MaxText's
+    ``param_scan_axis=1``) the weights are stacked with their layer dim second and moved
+    to the front for the loop, the optimizer clips by the global norm before AdamW, and
+    the step returns the gradients' norm too. Returns ``(step, args, hints)``."""
     layers, batch, seq, embed, hidden = 4, 8, 16, 64, 128
     act = P("data", None, "model")
 
@@ -140,23 +140,43 @@ def test_a_scanned_weights_gradient_is_summed_into_its_shards(mesh):
             u = jax.lax.with_sharding_constraint(jnp.tanh(h @ w["w1"]), act)
             return jax.lax.with_sharding_constraint(h + u @ w["w2"], act), None
 
+        if layer_second:
+            p = jax.tree.map(lambda w: jnp.moveaxis(w, 1, 0), p)
         return jnp.mean(jax.lax.scan(body, x, p)[0] ** 2)
 
-    opt = optax.adamw(1e-3)
+    adamw = optax.adamw(1e-3)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), adamw) if layer_second else adamw
 
     def step(p, s, x):
         value, g = jax.value_and_grad(loss)(p, x)
         u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s, value
+        new = optax.apply_updates(p, u)
+        return (new, s, value, optax.tree.norm(g)) if layer_second else (new, s, value)
 
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    w1, w2 = (embed, layers, hidden), (hidden, layers, embed)
+    if not layer_second:
+        w1, w2 = (layers, embed, hidden), (layers, hidden, embed)
     params = {
-        "w1": jax.random.normal(k1, (layers, embed, hidden)) / embed**0.5,
-        "w2": jax.random.normal(k2, (layers, hidden, embed)) / hidden**0.5,
+        "w1": jax.random.normal(k1, w1) / embed**0.5,
+        "w2": jax.random.normal(k2, w2) / hidden**0.5,
     }
     x = jax.random.normal(k3, (batch, seq, embed))
-    args = (params, opt.init(params), x)
-    hints = {r".*w1": P(None, "data", "model"), r".*w2": P(None, "model", "data"), "x": act}
+    if layer_second:
+        hints = {r".*w1": P("data", None, "model"), r".*w2": P("model", None, "data")}
+    else:
+        hints = {r".*w1": P(None, "data", "model"), r".*w2": P(None, "model", "data")}
+    hints["x"] = act
+    return step, (params, opt.init(params), x), hints
+
+
+def test_a_scanned_weights_gradient_is_summed_into_its_shards(mesh):
+    """MaxText's layouts (`_maxtext_like`): the gradient contraction meets the
+    activations' layout first; it is still summed straight into the weight's shards (a
+    reduce-scatter per layer, not an all-reduce and an all-to-all), the loop carries one
+    shard of each layer's gradient, and the memory stays within Shardy alone's. AdamW
+    steps match the unsharded ones."""
+    step, args, hints = _maxtext_like(layer_second=False)
     sharded = jaxshard.auto_shard(mesh, hints)(step)
     plan = sharded.plan(*args)
     grads = [r for r in plan.reshards if r.partial and "body" in r.where]
@@ -169,40 +189,13 @@ def test_a_scanned_weights_gradient_is_summed_into_its_shards(mesh):
 
 
 def test_weights_stored_layer_second_stay_stored_and_norms_sum_their_shards(mesh):
-    """MaxText's storage: each weight stacked with its layer dim second, its embedding
-    dim stored over the batch's axis and its hidden dim over "model", moved to the front
-    for the layer loop; AdamW after clipping by the global norm, and the gradients' norm
-    returned as a metric. The moved stack stays stored (each layer gathered inside the
-    loop, not the whole stack before it) and every norm squares and sums the shards it
-    has (no gradient moved to be squared); the memory stays within Shardy alone's and
-    the steps match the unsharded ones."""
-    layers, batch, seq, embed, hidden = 4, 8, 16, 64, 128
-    act = P("data", None, "model")
-
-    def loss(p, x):
-        def body(h, w):
-            h = jax.lax.with_sharding_constraint(h, act)
-            u = jax.lax.with_sharding_constraint(jnp.tanh(h @ w["w1"]), act)
-            return jax.lax.with_sharding_constraint(h + u @ w["w2"], act), None
-
-        stacks = jax.tree.map(lambda w: jnp.moveaxis(w, 1, 0), p)
-        return jnp.mean(jax.lax.scan(body, x, stacks)[0] ** 2)
-
-    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
-
-    def step(p, s, x):
-        value, g = jax.value_and_grad(loss)(p, x)
-        u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s, value, optax.tree.norm(g)
-
-    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    params = {
-        "w1": jax.random.normal(k1, (embed, layers, hidden)) / embed**0.5,
-        "w2": jax.random.normal(k2, (hidden, layers, embed)) / hidden**0.5,
-    }
-    x = jax.random.normal(k3, (batch, seq, embed))
-    args = (params, opt.init(params), x)
-    hints = {r".*w1": P("data", None, "model"), r".*w2": P("model", None, "data"), "x": act}
+    """MaxText's storage with the layer dim second, moved to the front for the loop,
+    global-norm clipping and the gradients' norm as a metric (`_maxtext_like`). The
+    moved stack stays stored (each layer gathered inside the loop, not the whole stack
+    before it) and every norm squares and sums the shards it has (no gradient moved to
+    be squared); the memory stays within Shardy alone's and the steps match the
+    unsharded ones."""
+    step, args, hints = _maxtext_like(layer_second=True)
     sharded = jaxshard.auto_shard(mesh, hints)(step)
     plan = sharded.plan(*args)
     squares = [r for r in plan.reshards if r.where.startswith(("square", "integer_pow"))]
@@ -212,6 +205,7 @@ def test_weights_stored_layer_second_stay_stored_and_norms_sum_their_shards(mesh
     ours = compiled_cost(sharded.lower(*args).compile(), mesh)
     alone = compiled_cost(shardy_alone(step, args, mesh, hints).compile(), mesh)
     assert ours.memory <= alone.memory, (ours, alone)
+    x = args[2]
     with jax.set_mesh(mesh):
         got, want = sharded(*args), jax.jit(step)(*args)
         assert_leaves_match(got, want)
