@@ -86,6 +86,7 @@ def sum_where_it_lies(graph: Graph, prop: Propagator) -> None:
     """
     layouts, uses = prop.state.layouts, prop.uses
     shapes, apps = graph.shapes, graph.apps
+    kept = set(graph.out_vids) | set(prop.hinted)  # returned or pinned: their layout stays
     producer = None
     for app in apps:
         if (
@@ -102,7 +103,12 @@ def sum_where_it_lies(graph: Graph, prop: Propagator) -> None:
             v = todo.pop()
             made = producer.get(v)
             step = None if made is None else apps[made]
-            if step is None or _readers(apps, uses[v], v) != 1 or len(step.results) != 1:
+            if (
+                step is None
+                or v in kept
+                or _readers(apps, uses[v], v) != 1
+                or len(step.results) != 1
+            ):
                 sources.add(v)
                 continue
             arrays = {o for o in step.operands if shapes[o] != ()}
