@@ -627,6 +627,34 @@ def contracts(app) -> bool:
     )
 
 
+def readers(graph: Graph, uses: Sequence[Sequence[int]], v: int) -> int:
+    """How many applications read value ``v`` (``uses``: `Graph.uses`, which also lists
+    the application that makes it).
+
+    Example:
+        >>> readers(g, g.uses(), 3)  # doctest: +SKIP
+        2
+    """
+    return sum(1 for b in uses[v] if v in graph.apps[b].operands)
+
+
+def slices_stack(graph: Graph, a: int) -> bool:
+    """Whether application ``a`` hands a loop's body one slice of a stacked input per
+    iteration (a scan's ``xs``): a link into the body whose result has one dim fewer than
+    its operand (an out-link carries a body's result out instead).
+
+    Example:
+        >>> [a for a in range(len(g.apps)) if slices_stack(g, a)]  # doctest: +SKIP
+        [41, 42]
+    """
+    app = graph.apps[a]
+    return (
+        app.kind is AppKind.LINK
+        and a not in graph.out_links
+        and len(graph.shapes[app.operands[0]]) == len(graph.shapes[app.results[0]]) + 1
+    )
+
+
 def moved_back(moved: Sequence[int], layout: Sequence) -> tuple:
     """The layout of a move's operand (``moved``: its `view_dims`) that puts its result
     in ``layout``.

@@ -22,7 +22,7 @@ from jaxshard.cost import (
     per_device_bytes,
     reshard_collectives,
 )
-from jaxshard.graph import AppKind, Graph
+from jaxshard.graph import AppKind, Graph, readers, slices_stack
 from jaxshard.lattice import DimSharding, slices_locally
 from jaxshard.plan.apps import app_moves, dead_apps, duplicate_app
 from jaxshard.plan.record import Plan
@@ -103,12 +103,7 @@ def sum_where_it_lies(graph: Graph, prop: Propagator) -> None:
             v = todo.pop()
             made = producer.get(v)
             step = None if made is None else apps[made]
-            if (
-                step is None
-                or v in kept
-                or _readers(apps, uses[v], v) != 1
-                or len(step.results) != 1
-            ):
+            if step is None or v in kept or readers(graph, uses, v) != 1 or len(step.results) != 1:
                 sources.add(v)
                 continue
             arrays = {o for o in step.operands if shapes[o] != ()}
@@ -132,11 +127,6 @@ def sum_where_it_lies(graph: Graph, prop: Propagator) -> None:
                                        source_dim=d, rank=s.rank)  # fmt: skip
 
 
-def _readers(apps, used: Sequence[int], v: int) -> int:
-    """How many applications read ``v`` (of those it takes part in)."""
-    return sum(1 for b in used if v in apps[b].operands)
-
-
 def sink_stacked_gathers(graph: Graph, prop: Propagator) -> None:
     """Gather a scanned stack one slice per iteration, not whole before the loop.
 
@@ -152,15 +142,11 @@ def sink_stacked_gathers(graph: Graph, prop: Propagator) -> None:
     """
     dims, layouts = prop.state.dims, prop.state.layouts
     for a, app in enumerate(graph.apps):
-        if app.kind is not AppKind.LINK or a in graph.out_links or len(app.results) != 1:
-            continue  # only a loop's stacked inputs: an out-link carries a body's result
+        if not slices_stack(graph, a):
+            continue  # only a loop's stacked inputs
         stack, piece = app.operands[0], app.results[0]
         factors = app.rule.factors
-        if (
-            not factors
-            or factors[0].kind is not FactorKind.NEED_REPLICATION
-            or len(graph.shapes[stack]) != len(graph.shapes[piece]) + 1
-        ):
+        if not factors or factors[0].kind is not FactorKind.NEED_REPLICATION:
             continue
         stored, used = dims[stack][1:], dims[piece]
         if tuple(stored) == tuple(used) or not slices_locally(stored, used):

@@ -17,7 +17,16 @@ from jaxshard.cost import (
     xla_scope,
 )
 from jaxshard.errors import ShardingError
-from jaxshard.graph import AppKind, Graph, contracts, find_root, moved_back, view_dims
+from jaxshard.graph import (
+    AppKind,
+    Graph,
+    contracts,
+    find_root,
+    moved_back,
+    readers,
+    slices_stack,
+    view_dims,
+)
 from jaxshard.lattice import DimSharding, spec_entry
 from jaxshard.propagate import (
     STORAGE_RANK,
@@ -156,9 +165,7 @@ def store_moved_stacks(graph: Graph, prop: Propagator, storage: Mapping[int, Pin
             if v not in app.operands:
                 continue
             if app.kind is AppKind.LINK:
-                if b in graph.out_links or len(app.results) != 1:
-                    return False
-                if len(graph.shapes[v]) != len(graph.shapes[app.results[0]]) + 1:
+                if not slices_stack(graph, b):
                     return False
             elif view_dims(app) is None or not slices_only(app.results[0]):
                 return False
@@ -300,7 +307,7 @@ def _sum_where_stored(
     but the next; one that has another keeps its layout. Whatever layout propagation
     gave the slice is replaced (`store_updates` with ``overwrite``)."""
     layouts, uses = prop.state.layouts, prop.uses
-    while sum(v in graph.apps[u].operands for u in uses[v]) <= 1:
+    while readers(graph, uses, v) <= 1:
         if not _divides(layout, graph.shapes[v], prop.axis_sizes):
             return
         a = producer.get(v)
