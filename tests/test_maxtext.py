@@ -15,6 +15,12 @@ def llama():
     return m, maxtext_llama.maxtext_row(m)
 
 
+@pytest.fixture(scope="module")
+def mixtral():
+    m = maxtext_llama.build("mixtral", scan=True)
+    return m, maxtext_llama.maxtext_row(m)
+
+
 def test_maxtexts_rules_give_its_layouts_and_its_loss(llama):
     import jax
 
@@ -40,6 +46,18 @@ def test_maxtexts_rules_cost_no_more_memory_than_maxtext(llama):
     assert row.surprises == 0
 
 
+def test_maxtexts_rules_plan_its_moe_step_as_it_compiles(mixtral):
+    # the router weight is stored over "fsdp" and read over "tensor", and its gradient,
+    # summed over "fsdp", goes back: XLA moves both by collective-permutes (the gradient's
+    # after an all-reduce and before an all-gather over half of "tensor"), as planned
+    m, reference = mixtral
+    row = maxtext_llama.jaxshard_row(m, "rules")
+    assert row.loss == pytest.approx(reference.loss, rel=1e-5)
+    assert row.bytes <= 1.05 * reference.bytes
+    assert row.memory <= 1.02 * reference.memory
+    assert row.surprises == 0
+
+
 def test_the_batch_hint_alone_plans_maxtext_and_matches_its_loss(llama):
     m, reference = llama
     row = maxtext_llama.jaxshard_row(m, "batch")
@@ -47,11 +65,10 @@ def test_the_batch_hint_alone_plans_maxtext_and_matches_its_loss(llama):
     assert row.bytes <= 1.05 * reference.bytes
 
 
-def test_the_batch_hint_alone_gathers_the_tokens_for_the_expert_matmuls():
+def test_the_batch_hint_alone_gathers_the_tokens_for_the_expert_matmuls(mixtral):
     # the expert matmuls take "tensor" on the weights' hidden dim (column layout):
     # summing each one's product over "tensor" moved 1.6x MaxText's bytes
-    m = maxtext_llama.build("mixtral", scan=True)
-    reference = maxtext_llama.maxtext_row(m)
+    m, reference = mixtral
     row = maxtext_llama.jaxshard_row(m, "batch")
     assert row.loss == pytest.approx(reference.loss, rel=1e-5)
     assert row.bytes <= 1.05 * reference.bytes

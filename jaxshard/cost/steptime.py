@@ -46,12 +46,13 @@ class CostModel:
     flops: float | None = None  # FLOP/s per device; None: communication only
 
     def axis_bandwidth(self, axis: str) -> float:
-        """Bytes per second one device moves over ``axis``."""
-        return self.bandwidth.get(axis, self.default_bandwidth)
+        """Bytes per second one device moves over ``axis`` (a sub-axis, ``model:(1)2``,
+        over its axis's links)."""
+        return self.bandwidth.get(axis.split(":")[0], self.default_bandwidth)
 
     def axis_latency(self, axis: str) -> float:
-        """Fixed seconds per collective over ``axis``."""
-        return self.latency.get(axis, self.default_latency)
+        """Fixed seconds per collective over ``axis`` (a sub-axis: its axis's)."""
+        return self.latency.get(axis.split(":")[0], self.default_latency)
 
     def collective_time(self, axes: Iterable[str], nbytes: float) -> float:
         """Seconds for one collective moving ``nbytes`` per device over ``axes``."""
