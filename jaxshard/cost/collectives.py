@@ -390,8 +390,8 @@ def _permuted(src, dst, axis_sizes, local_src: float, local_dst: float) -> list[
     if not changed:
         return None
 
-    def count(axes) -> int:
-        return math.prod(axis_sizes[a] for a in axes)
+    def count(axes) -> int:  # the shards one dim's axes cut it into
+        return shards((axes,), axis_sizes)
 
     place = [
         {a: (i, count(d[:k])) for i, d in enumerate(layout) for k, a in enumerate(d)}
