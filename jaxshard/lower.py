@@ -336,9 +336,7 @@ class Lowered:
                 via[r.vid] = Via(r.src, plan.dims[r.vid])
             elif r.partial:
                 continue
-            elif (
-                len(reshard_steps(*(without_unit_axes(d, self._sizes) for d in (r.src, r.dst)))) > 1
-            ):
+            elif len(reshard_steps(*self._without_unit_axes(r.src, r.dst), self._sizes)) > 1:
                 via[r.vid] = Via(r.src, plan.dims[r.vid])
         # per path (a call site of a nested jaxpr): {var: layout} and a hashable key
         self._levels = {}
@@ -375,6 +373,9 @@ class Lowered:
         self._layout_of.update(zip(closed.jaxpr.invars, plan.flat_in_dims()))
         return ClosedJaxpr(self._rewrite(closed.jaxpr, ()), closed.consts)
 
+    def _without_unit_axes(self, *layouts) -> list[tuple]:
+        return [without_unit_axes(d, self._sizes) for d in layouts]
+
     def _constrain(self, var, dims: tuple, eqns: list, like) -> Any:
         """``var`` constrained to ``dims`` (appended to ``eqns``). A value this rewrite
         constrained before moves through the layouts `reshard_steps` gives: a move XLA
@@ -384,8 +385,8 @@ class Lowered:
         src = self._layout_of.get(var)
         steps = [dims]
         if src is not None and None not in src and None not in dims:
-            moving = (without_unit_axes(d, self._sizes) for d in (src, dims))
-            steps = [*reshard_steps(*moving)[:-1], dims]
+            moving = self._without_unit_axes(src, dims)
+            steps = [*reshard_steps(*moving, self._sizes)[:-1], dims]
         for step in steps:
             new = new_var(var.aval)
             params = dict(

@@ -1,5 +1,6 @@
 """Moves XLA's partitioner makes with collective-permutes: a dim that changes mesh axes in
-place, or shards that only change devices. Each move is compiled as jaxshard lowers it
+place, shards that only change devices, or an all-to-all of a dim's minor shards
+followed by a permute that puts every axis where the destination wants it. Each move is compiled as jaxshard lowers it
 (through `reshard_steps`' layouts) and its collectives compared with the plan's
 prediction (`reshard_collectives`), kind, axes and bytes; then a step whose weight is
 stored on one axis and read on another is planned, verified and run against `jax.jit`.
@@ -25,7 +26,7 @@ def _spec(layout):
 def _compiled_move(mesh, src, dst, shape):
     """The collectives XLA compiles for moving an array from ``src`` to ``dst`` through
     the layouts jaxshard's lowering constrains it to."""
-    steps = reshard_steps(src, dst)
+    steps = reshard_steps(src, dst, dict(mesh.shape))
 
     def move(x):
         y = x * 2  # a value of the program, not the argument buffer itself
@@ -55,6 +56,20 @@ MOVES = [  # (mesh, src, dst, what XLA does)
     ("2x2x2", [("a",), ()], [("b", "c"), ()], "slice, then permute"),
     ("2x4", [("fsdp",), ()], [("fsdp", "tensor"), ()], "a local slice"),
     ("2x4", [("fsdp", "tensor"), ()], [("fsdp",), ()], "a gather"),
+    ("2x4", [("tensor",), ()], [("fsdp",), ("tensor",)], "exchange the minor half, permute"),
+    ("4x2", [("fsdp",), ()], [("tensor",), ("fsdp",)], "exchange the minor half, permute"),
+    ("2x4", [(), ("tensor",)], [("tensor",), ("fsdp",)], "an all-to-all, then a slice (last dim)"),
+    ("2x4", [(), ("tensor",), ()], [("tensor",), ("fsdp",), ()], "exchange, permute (3 dims)"),
+    ("2x2x2", [("b", "c"), ()], [("a",), ("b", "c")], "exchange the minor axis, permute"),
+    ("2x4", [("fsdp",), (), ("tensor",)], [("tensor", "fsdp"), (), ()], "all-to-all, reorder"),
+    ("2x2x2", [("b", "c"), (), ("a",)], [("c", "b", "a"), (), ()], "all-to-all, reorder"),
+    ("2x2x2", [(), ("c", "b"), ("a",)], [(), ("a",), ("c", "b")], "the minor axis, permute"),
+    ("2x2x2", [("c", "b", "a"), (), ()], [("a",), ("c", "b"), ()], "the minor two, permute"),
+    ("2x2x2", [("a", "c"), (), ("b",)], [("c", "b"), ("a",), ()], "all-to-all, permute all"),
+    ("4x2", [(), ("fsdp",), ("tensor",)], [(), (), ()], "one gather per dim, the last first"),
+    ("2x2x2", [("a", "c"), ("b",)], [("a",), ()], "one gather per dim, the last first"),
+    ("2x2x2", [("b",), ()], [("a",), ("b",)], "an all-to-all, then a slice (c untouched)"),
+    ("2x2x2", [("b",), ()], [("c",), ("b",)], "an all-to-all, then a slice (a untouched)"),
 ]
 
 
@@ -69,7 +84,7 @@ def meshes():
 @pytest.mark.parametrize("name, src, dst, how", MOVES)
 def test_a_move_compiles_to_the_collectives_the_plan_predicts(meshes, name, src, dst, how):
     mesh = meshes[name]
-    shape = (64, 32)
+    shape = (64, 32, 16)[: len(src)]
     predicted = sorted(
         str(c) for c in reshard_collectives(shape, np.float32, src, dst, dict(mesh.shape))
     )

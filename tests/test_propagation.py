@@ -93,9 +93,10 @@ def test_conflict_between_hints_takes_cheaper_reshard(mesh):
 def test_conflict_under_a_cost_model_moves_less_over_the_slow_axis(mesh):
     # a sum of two arrays split over both axes the other way round: in bytes, gathering
     # over "data" (2 devices) then moving "model" is cheapest; with a slow "data" axis,
-    # one all-to-all that sends less over it wins. (Two hints on one dim over the two
-    # axes are no such choice: XLA moves either side with a collective-permute that
-    # crosses both axes, `jaxshard.cost.collectives._permuted`.)
+    # moving the other array without a gather wins (as XLA runs it: an all-to-all over
+    # the minor half of "model", then a permute, `jaxshard.cost.collectives._transfer`).
+    # (Two hints on one dim over the two axes are no such choice: XLA moves either side
+    # with a collective-permute that crosses both axes, `..._permuted`.)
     x = jax.ShapeDtypeStruct((16, 32), jnp.float32)
     hints = {"a": P("data", "model"), "b": P("model", "data")}
     by_bytes = make_plan(lambda a, b: a + b, (x, x), {}, mesh, hints)
@@ -105,7 +106,10 @@ def test_conflict_under_a_cost_model_moves_less_over_the_slow_axis(mesh):
     by_time = make_plan(lambda a, b: a + b, (x, x), {}, mesh, hints, cost_model=slow_data)
     assert by_time.out_specs == P("data", "model")
     (reshard,) = by_time.reshards
-    assert reshard.collectives == ("all-to-all over data,model",)
+    assert reshard.collectives == (
+        "all-to-all over model:(2)2",
+        "collective-permute over data,model",
+    )
     assert "cheapest reshard in time under the cost model" in by_time.explain()
 
 

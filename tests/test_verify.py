@@ -483,10 +483,10 @@ def test_a_move_xla_has_no_single_collective_for_goes_step_by_step(mesh):
     ]
 
 
-def test_an_axis_moved_while_another_is_added_is_exchanged_whole_then_sliced(mesh):
+def test_an_axis_moved_while_another_is_added_is_exchanged_in_part_then_permuted(mesh):
     # "model" moves from the first dim to the last while "data" joins the first: in one
-    # step XLA exchanges over half of "model" and permutes the rest, collectives the plan
-    # cannot name; the lowered program exchanges over all of "model" and then slices
+    # step XLA exchanges over the minor half of "model" and permutes the rest (as many
+    # bytes as exchanging all of "model" and slicing), and the plan predicts just that
     def f(x):
         return jnp.sin(x) * 2
 
@@ -496,8 +496,11 @@ def test_an_axis_moved_while_another_is_added_is_exchanged_whole_then_sliced(mes
     np.testing.assert_allclose(step(x), f(x), rtol=1e-6)
     checked = verify(step.plan(x))
     assert checked.ok, str(checked)
-    assert [c.kind for c in checked.found] == ["all-to-all"]
-    assert checked.compiled_bytes == checked.predicted_bytes == 768  # 1 KiB, 3/4 sent
+    assert [str(c) for c in checked.found] == [
+        "all-to-all over model:(2)2 of 512 B",
+        "collective-permute over data,model of 512 B",
+    ]
+    assert checked.compiled_bytes == checked.predicted_bytes == 768  # 1/2 of 512 B, 512 B
 
 
 def test_every_step_of_a_reshard_is_one_xla_has_a_collective_for():

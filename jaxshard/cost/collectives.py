@@ -296,7 +296,7 @@ def reshard_collectives(
     """
     # an axis of size 1 moves nothing: XLA emits no collective over it
     src, dst = without_unit_axes(src, axis_sizes), without_unit_axes(dst, axis_sizes)
-    steps = [tuple(dst)] if partial else reshard_steps(src, dst)
+    steps = [tuple(dst)] if partial else reshard_steps(src, dst, axis_sizes)
     if len(steps) > 1:  # the lowering passes through each (`reshard_steps`)
         return [
             c for a, b in zip([tuple(src), *steps], steps)
@@ -353,6 +353,17 @@ def _step_collectives(shape, dtype, src, dst, axis_sizes, partial, reduce_scatte
     if moved:
         add(CollectiveKind.ALL_TO_ALL, moved, local_dst)
     removed = sorted(a for a in where_src if a not in where_dst)
+    dims = sorted({where_src[a] for a in removed}, reverse=True)
+    held = set(where_src)
+    if not moved and len(dims) > 1 and all(a in held for a in where_dst):
+        # gathered from several dims and nothing else: XLA gathers one dim at a time, the
+        # last dim first (measured on 2x4, 4x2 and 2x4x2 meshes), as many bytes in all
+        layout = [list(d) for d in src]
+        for i in dims:
+            layout[i] = [a for a in layout[i] if a in where_dst]
+            gathered = sorted(a for a in src[i] if a not in where_dst)
+            add(CollectiveKind.ALL_GATHER, gathered, total / shards(layout, axis_sizes))
+        return out
     if removed:
         add(CollectiveKind.ALL_GATHER, removed, local_dst)
     return out
@@ -375,7 +386,14 @@ def _permuted(src, dst, axis_sizes, local_src: float, local_dst: float) -> list[
       (``[tensor] -> [fsdp]`` on fsdp=2 x tensor=4): a collective-permute of the shard,
       then an all-gather over the source axis's major part (Shardy's sub-axis
       ``tensor:(1)2``). With a third mesh axis XLA gathers over a group this model does
-      not name, and the usual path prices the move.
+      not name, and the usual path prices the move;
+    - one dim's axes moving to an unsplit dim while the first takes new axes of no more
+      shards (`_exchange`: ``[tensor, -] -> [fsdp, tensor]``, MaxText's AdamW moments):
+      an all-to-all over the moved axes' minor part, then a collective-permute;
+    - one dim cut into k times fewer shards and another into k times more, nothing
+      gathered (`_transfer`: ``[f, -, t] -> [(t, f), -, -]``): an all-to-all over the
+      first dim's minor k shards, then a collective-permute where axes are not yet in
+      place (none where they are: ``[f, -] -> [-, f]`` is the all-to-all alone).
 
     The permute's axes are those along which a shard's device changes: moved to another
     dim or another place among its dim's axes, added or removed.
@@ -400,6 +418,14 @@ def _permuted(src, dst, axis_sizes, local_src: float, local_dst: float) -> list[
     axes = sorted(a for a in {*place[0], *place[1]} if place[0].get(a) != place[1].get(a))
     if all(count(s) == count(d) for s, d in zip(src, dst)):  # the same shards, elsewhere
         return [planned(CollectiveKind.PERMUTE, axes, local_dst, axis_sizes)]
+    exchange = _exchange(src, dst, axis_sizes) or _transfer(src, dst, axis_sizes)
+    if exchange is not None:
+        minor, group, permuted = exchange
+        out = [planned(CollectiveKind.PERMUTE, permuted, local_dst, axis_sizes)] if permuted else []
+        if group == 1:
+            return out
+        a2a = Collective(CollectiveKind.ALL_TO_ALL, frozenset(minor), local_dst, group, order=minor)
+        return [a2a, *out]
     if any(place[1].get(a, (i,))[0] != i for a, (i, _) in place[0].items()):
         return None  # an axis goes to another dim: an all-to-all
     if all(count(dst[i]) % count(src[i]) == 0 for i in changed):
@@ -420,6 +446,149 @@ def _permuted(src, dst, axis_sizes, local_src: float, local_dst: float) -> list[
     ]
 
 
+def _exchange(src, dst, axis_sizes) -> tuple[tuple[str, ...], int, list[str]] | None:
+    """How XLA's partitioner makes a move where one dim's axes go whole to a dim no axis
+    splits yet and the first dim takes new axes instead, of no more shards than it gave
+    (``[t, -] -> [f, t]``), on a mesh whose other axes are all of size 1: each device
+    slices its shard along the receiving dim by the moved axes' major part, exchanges the
+    minor part by an all-to-all, and one collective-permute puts the halves where the new
+    axes want them. Returns the all-to-all's axes (Shardy's sub-axis where the minor part
+    cuts an axis: ``t:(2)4`` is the minor four of an axis of eight), its group (1: no
+    all-to-all, the new axes have as many shards as the moved ones) and the permute's
+    axes; None for any other move. Measured on XLA's CPU partitioner (JAX 0.10 and 0.12):
+    2x4, 4x2, 2x8 and 4x4 two-axis meshes and 2x4x2 and 2x2x2 meshes moving two axes,
+    arrays of 2 to 4 dims, every pair of dims. Two exceptions take `reshard_steps`'
+    all-to-all of the whole moved axes and then a slice: axes moving from the last dim
+    into the one before it (XLA exchanges them whole), and a mesh axis of size more than
+    1 the move does not touch (XLA would give up and replicate the array).
+
+    Example:
+        >>> _exchange([("t",), ()], [("f",), ("t",)], {"f": 2, "t": 8})
+        (('t:(2)4',), 4, ['f', 't'])
+        >>> _exchange([("t",), ()], [("f",), ("t",)], {"f": 4, "t": 4})
+        ((), 1, ['f', 't'])
+    """
+    changed = [i for i, (s, d) in enumerate(zip(src, dst)) if s != d]
+    if len(changed) != 2 or not _whole_mesh(src, dst, axis_sizes):
+        return None
+    i, j = changed if src[changed[0]] else changed[::-1]
+    moved, new = tuple(src[i]), tuple(dst[i])
+    if not moved or not new or src[j] or tuple(dst[j]) != moved:
+        return None
+    if i == len(src) - 1 and j == i - 1:
+        return None  # from the last dim into the one before: the whole all-to-all, a slice
+    if any(a in d for d in src for a in new):
+        return None
+    n, m = math.prod(axis_sizes[a] for a in moved), math.prod(axis_sizes[a] for a in new)
+    minor = None if n % m else _cut(moved, n // m, axis_sizes, minor=True)
+    if minor is None:
+        return None
+    whole = {a for a, _, size in minor if size == axis_sizes[a]}
+    permuted = sorted({*new, *(a for a in moved if a not in whole)})
+    return _named(minor, axis_sizes), n // m, permuted
+
+
+def _transfer(src, dst, axis_sizes) -> tuple[tuple[str, ...], int, list[str]] | None:
+    """How XLA's partitioner makes a move where one dim ``i`` is cut into k times fewer
+    shards and another ``j`` into k times more, and no axis is gathered: an all-to-all
+    over ``i``'s minor k shards (whole axes or Shardy's sub-axis, ``b:(2)2``) sends them
+    to ``j``, where they split it after its own axes; then, where an axis is not yet
+    where the destination wants it (another dim, another place in its dim, or a new
+    axis), one collective-permute over those axes. Same return as `_exchange` (no
+    permute: an empty list). ``[f, -, t] -> [(t, f), -, -]`` is an all-to-all over ``t``
+    and a permute over both axes (the order of dim 0's axes changes), not the all-to-all
+    over both the usual path names. Measured on XLA's CPU partitioner (JAX 0.10 and 0.12) for random
+    moves of 2- and 3-dim arrays on 2x4, 4x2, 2x8, 4x4, 2x4x2 and 2x2x2 meshes; the same
+    exceptions as `_exchange` (from the last dim into the one before; a mesh axis the
+    move does not touch).
+
+    Example:
+        >>> _transfer([("f",), (), ("t",)], [("t", "f"), (), ()], {"f": 4, "t": 4})
+        (('t',), 4, ['f', 't'])
+        >>> _transfer([("a", "c"), (), ("b",)], [("c", "b"), ("a",), ()], {"a": 2, "b": 2, "c": 2})
+        (('b',), 2, ['a', 'b', 'c'])
+        >>> _transfer([("f",), ()], [(), ("f",)], {"f": 2, "t": 1})
+        (('f',), 2, [])
+    """
+    if not _whole_mesh(src, dst, axis_sizes):
+        return None
+    if {a for d in src for a in d} - {a for d in dst for a in d}:
+        return None  # a gather: the usual path
+
+    def count(axes) -> int:
+        return math.prod(axis_sizes[a] for a in axes)
+
+    s, t = [count(d) for d in src], [count(d) for d in dst]
+    shrink = [d for d in range(len(src)) if t[d] < s[d]]
+    grow = [d for d in range(len(src)) if t[d] > s[d]]
+    if len(shrink) != 1 or len(grow) != 1:
+        return None
+    (i,), (j,) = shrink, grow
+    if s[i] % t[i] or t[j] % s[j] or s[i] // t[i] != t[j] // s[j]:
+        return None
+    k = s[i] // t[i]
+    minor, major = _cut(src[i], k, axis_sizes, minor=True), _cut(src[i], t[i], axis_sizes)
+    if minor is None or major is None:
+        return None
+    after = [[(a, 1, axis_sizes[a]) for a in d] for d in src]
+    after[i], after[j] = major, after[j] + minor
+    whole = [[(a, 1, axis_sizes[a]) for a in d] for d in dst]
+    there, wanted = _places(after), _places(whole)
+    permuted = sorted(a for a in {*there, *wanted} if there.get(a) != wanted.get(a))
+    return _named(minor, axis_sizes), k, permuted
+
+
+def _whole_mesh(src, dst, axis_sizes) -> bool:
+    """Whether every mesh axis of size more than 1 splits ``src`` or ``dst``."""
+    held = {a for layout in (src, dst) for d in layout for a in d}
+    return all(a in held for a, n in axis_sizes.items() if n > 1)
+
+
+def _cut(axes, k: int, axis_sizes, minor: bool = False) -> list[tuple[str, int, int]] | None:
+    """The major (or ``minor``) ``k`` shards of a dim split over ``axes``, as pieces
+    ``(axis, pre-size within the axis, size)`` in major-to-minor order, or None where
+    ``k`` cuts no axis evenly."""
+    pieces: list[tuple[str, int, int]] = []
+    for a in reversed(axes) if minor else axes:
+        if k == 1:
+            break
+        size = axis_sizes[a]
+        if k % size == 0:
+            piece, k = (a, 1, size), k // size
+        elif size % k == 0:
+            piece, k = ((a, size // k, k) if minor else (a, 1, k)), 1
+        else:
+            return None
+        pieces.append(piece)
+    if k != 1:
+        return None
+    return pieces[::-1] if minor else pieces
+
+
+def _named(pieces, axis_sizes) -> tuple[str, ...]:
+    """Pieces of axes (`_cut`) as compiled programs name them: ``t`` or ``t:(2)4``."""
+    return tuple(a if size == axis_sizes[a] else f"{a}:({pre}){size}" for a, pre, size in pieces)
+
+
+def _places(layout) -> dict[str, set[tuple[int, int, int, int]]]:
+    """Per mesh axis, where its pieces split a layout of pieces (`_cut`): ``(dim, shards
+    of the dim's axes before it, pre-size within the axis, size)``, adjacent pieces of
+    one axis merged (an axis's two halves in order are the axis)."""
+    out: dict[str, set[tuple[int, int, int, int]]] = {}
+    for d, pieces in enumerate(layout):
+        merged: list[list] = []
+        for a, pre, size in pieces:
+            if merged and merged[-1][0] == a and merged[-1][1] * merged[-1][2] == pre:
+                merged[-1][2] *= size
+            else:
+                merged.append([a, pre, size])
+        before = 1
+        for a, pre, size in merged:
+            out.setdefault(a, set()).add((d, before, pre, size))
+            before *= size
+    return out
+
+
 def without_unit_axes(
     dims: Sequence[DimSharding], axis_sizes: Mapping[str, int]
 ) -> tuple[tuple[str, ...], ...]:
@@ -433,21 +602,27 @@ def without_unit_axes(
     return tuple(tuple(a for a in d or () if axis_sizes[a] > 1) for d in dims)
 
 
-def reshard_steps(src: Sequence[DimSharding], dst: Sequence[DimSharding]) -> list[tuple]:
+def reshard_steps(
+    src: Sequence[DimSharding],
+    dst: Sequence[DimSharding],
+    axis_sizes: Mapping[str, int] | None = None,
+) -> list[tuple]:
     """The layouts a reshard from ``src`` to ``dst`` passes through, ending with ``dst``.
 
     One step, unless XLA's partitioner has no collective for the whole move and would
     replicate the array on every device first ("involuntary full rematerialization",
     measured on JAX 0.10 and 0.12): a dim that gives one axis to another dim and loses
     another axis altogether or to a third dim, or a dim that takes axes from two
-    others. Nor when an axis moves between dims while another axis is added: XLA then
+    others. Nor when an axis moves between dims while another axis is added (XLA then
     runs the all-to-all over a part of the moved axis and permutes the rest, as many
-    bytes as the all-to-all of the whole axis followed by a slice, but not the
-    collectives a plan can name (measured: ``[tensor, -, -] -> [fsdp, -, tensor]`` on a
-    2x4 fsdp x tensor mesh and in MaxText's optimizer update). Nor when an axis moves
-    while another is gathered: XLA gathers first and moves the gathered array (measured
-    for ``[fsdp, tensor, -] -> [tensor, -, -]`` and its variants, the gathered axis on
-    the moved axis's source, destination or a third dim), the same bytes, and a step
+    bytes as the all-to-all of the whole axis followed by a slice), unless
+    ``axis_sizes`` show the move as one whose collectives the plan names (`_exchange`,
+    `_transfer`: every mesh axis of size more than 1 takes part; measured for
+    ``[tensor, -, -] -> [fsdp, -, tensor]`` on a 2x4 fsdp x tensor mesh and in MaxText's
+    optimizer update). Nor when an axis moves while another is gathered: XLA gathers
+    first and moves the gathered array (measured for ``[fsdp, tensor, -] -> [tensor,
+    -, -]`` and its variants, the gathered axis on the moved axis's source, destination
+    or a third dim), the same bytes, and a step
     another use of the value may share (`Plan`'s operand moves). Such a reshard goes
     through steps XLA does with one collective each: the gathered axes first, then the
     moved axes one at a time, then the added ones.
@@ -464,6 +639,10 @@ def reshard_steps(src: Sequence[DimSharding], dst: Sequence[DimSharding]) -> lis
     """
     src = [tuple(d or ()) for d in src]
     dst = [tuple(d or ()) for d in dst]
+    if axis_sizes is not None and (
+        _exchange(src, dst, axis_sizes) is not None or _transfer(src, dst, axis_sizes) is not None
+    ):
+        return [tuple(dst)]
     where_dst = {a: j for j, d in enumerate(dst) for a in d}
     removed = {a for d in src for a in d if a not in where_dst}
     out_of: dict[int, set[int]] = {}  # per source dim: the dims its moved axes go to

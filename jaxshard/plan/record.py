@@ -257,7 +257,8 @@ class Plan(PlanMemory):
             self.moved_again.append((a, vid, dst))
         scopes.add(scope)
         start = src
-        for step in reshard_steps(without_unit_axes(src, self.axis_sizes), to)[:-1]:
+        steps = reshard_steps(without_unit_axes(src, self.axis_sizes), to, self.axis_sizes)
+        for step in steps[:-1]:
             done = self._moved.setdefault((vid, step), set())
             if scope in done:
                 start = step  # moved there before in this computation: XLA merges it
