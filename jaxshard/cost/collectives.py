@@ -342,7 +342,7 @@ def _step_collectives(shape, dtype, src, dst, axis_sizes, partial, reduce_scatte
     if not scattered or not reduce_scatter:
         # summed first (a backend without reduce-scatter all-reduces the whole input,
         # measured on MaxText's MoE gate), the array then moves as from ``src``
-        permuted = _permuted(src, dst, axis_sizes, local_src, local_dst)
+        permuted = _permuted(src, dst, axis_sizes, local_src, local_dst, summed=bool(partial))
         if permuted is not None:
             return out + permuted
     moved = sorted(
@@ -369,7 +369,9 @@ def _step_collectives(shape, dtype, src, dst, axis_sizes, partial, reduce_scatte
     return out
 
 
-def _permuted(src, dst, axis_sizes, local_src: float, local_dst: float) -> list[Collective] | None:
+def _permuted(
+    src, dst, axis_sizes, local_src: float, local_dst: float, summed: bool = False
+) -> list[Collective] | None:
     """The collectives of a move where XLA's partitioner permutes shards between devices
     instead of gathering or exchanging them, or None for any other move. Measured on
     XLA's CPU partitioner (JAX 0.10 and 0.12; 2x4, 4x2, 2x8, 4x4, 2x4x2 and 2x2x2
@@ -418,7 +420,13 @@ def _permuted(src, dst, axis_sizes, local_src: float, local_dst: float) -> list[
     axes = sorted(a for a in {*place[0], *place[1]} if place[0].get(a) != place[1].get(a))
     if all(count(s) == count(d) for s, d in zip(src, dst)):  # the same shards, elsewhere
         return [planned(CollectiveKind.PERMUTE, axes, local_dst, axis_sizes)]
-    exchange = _exchange(src, dst, axis_sizes) or _transfer(src, dst, axis_sizes)
+    # measured on plain moves only; after a partial sum (``summed``: MaxText's
+    # Mixtral-8x7B sums a gradient over "fsdp" and moves it over "tensor") the usual path
+    # prices the move: as an exchange and permute, the plan chose layouts for which XLA
+    # gathered 7 GiB more per device
+    exchange = None
+    if not summed:
+        exchange = _exchange(src, dst, axis_sizes) or _transfer(src, dst, axis_sizes)
     if exchange is not None:
         minor, group, permuted = exchange
         out = [planned(CollectiveKind.PERMUTE, permuted, local_dst, axis_sizes)] if permuted else []
@@ -497,10 +505,10 @@ def _transfer(src, dst, axis_sizes) -> tuple[tuple[str, ...], int, list[str]] | 
     axis), one collective-permute over those axes. Same return as `_exchange` (no
     permute: an empty list). ``[f, -, t] -> [(t, f), -, -]`` is an all-to-all over ``t``
     and a permute over both axes (the order of dim 0's axes changes), not the all-to-all
-    over both the usual path names. Measured on XLA's CPU partitioner (JAX 0.10 and 0.12) for random
-    moves of 2- and 3-dim arrays on 2x4, 4x2, 2x8, 4x4, 2x4x2 and 2x2x2 meshes; the same
-    exceptions as `_exchange` (from the last dim into the one before; a mesh axis the
-    move does not touch).
+    over both the usual path names. Measured on XLA's CPU partitioner for random moves
+    of 2- and 3-dim arrays on 2x4, 4x2, 2x8, 4x4, 2x4x2 and 2x2x2 meshes (JAX 0.10; the
+    cases ``tests/test_permutes.py`` compiles also on 0.12); not for a mesh axis of size
+    more than 1 the move does not touch (as `_exchange`).
 
     Example:
         >>> _transfer([("f",), (), ("t",)], [("t", "f"), (), ()], {"f": 4, "t": 4})
