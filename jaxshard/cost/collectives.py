@@ -522,11 +522,7 @@ def _transfer(src, dst, axis_sizes) -> tuple[tuple[str, ...], int, list[str]] | 
         return None
     if {a for d in src for a in d} - {a for d in dst for a in d}:
         return None  # a gather: the usual path
-
-    def count(axes) -> int:
-        return math.prod(axis_sizes[a] for a in axes)
-
-    s, t = [count(d) for d in src], [count(d) for d in dst]
+    s, t = ([shards((d,), axis_sizes) for d in layout] for layout in (src, dst))
     shrink = [d for d in range(len(src)) if t[d] < s[d]]
     grow = [d for d in range(len(src)) if t[d] > s[d]]
     if len(shrink) != 1 or len(grow) != 1:
