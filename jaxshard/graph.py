@@ -196,7 +196,10 @@ def updates(graph: Graph, i: int, o: int, uses: list[list[int]] | None = None) -
 def stack_results(graph: Graph, v: int) -> tuple[int, ...]:
     """The results (output positions) whose buffer XLA may fill with loop stack ``v``:
     those of its shape that equations treating each element alone compute from it (a
-    scanned gradient's new weights and moments).
+    scanned gradient's new weights and moments), and the new value of the argument ``v``
+    is a transposed copy of (a weight stack stored with its layers on dim 1, MaxText's,
+    moved layers-first for the scan: XLA holds the copy in the buffer of the new weight,
+    written at the end of the step).
 
     Example:
         >>> stack_results(plan.graph, v)  # doctest: +SKIP
@@ -211,8 +214,27 @@ def stack_results(graph: Graph, v: int) -> tuple[int, ...]:
         shape = graph.shapes[v]
         outs = [o for o, r in enumerate(graph.out_vids) if graph.shapes[r] == shape]
         reach = elementwise_reach(graph, v, links=False, uses=uses) if outs else set()
-        hit = found[v] = tuple(o for o in outs if graph.out_vids[o] in reach)
+        source = _transposed_from(graph, v)
+        count = math.prod(shape)
+        copied = [
+            o
+            for i, o in graph.ties
+            if graph.in_vids[i] == source and math.prod(graph.shapes[graph.out_vids[o]]) == count
+        ]
+        hit = found[v] = tuple(o for o in outs if graph.out_vids[o] in reach) + tuple(copied)
     return hit
+
+
+def _transposed_from(graph: Graph, v: int) -> int | None:
+    """The argument ``v`` is a transposed copy of (made by transposes alone), or None."""
+    producer, args = graph.producers(), set(graph.in_vids)
+    while v not in args:
+        a = producer.get(v)
+        app = None if a is None else graph.apps[a]
+        if app is None or app.kind is not AppKind.EQN or app.eqn.primitive.name != "transpose":
+            return None
+        v = app.operands[0]
+    return v
 
 
 def elementwise_reach(
