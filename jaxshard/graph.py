@@ -215,19 +215,18 @@ def stack_results(graph: Graph, v: int) -> tuple[int, ...]:
         outs = [o for o, r in enumerate(graph.out_vids) if graph.shapes[r] == shape]
         reach = elementwise_reach(graph, v, links=False, uses=uses) if outs else set()
         source = _transposed_from(graph, v)
-        count = math.prod(shape)
-        copied = [
-            o
-            for i, o in graph.ties
-            if graph.in_vids[i] == source and math.prod(graph.shapes[graph.out_vids[o]]) == count
-        ]
-        hit = found[v] = tuple(o for o in outs if graph.out_vids[o] in reach) + tuple(copied)
+        made = [o for o in outs if graph.out_vids[o] in reach]
+        copied = [o for i, o in graph.ties if graph.in_vids[i] == source]
+        hit = found[v] = tuple(dict.fromkeys(made + copied))
     return hit
 
 
 def _transposed_from(graph: Graph, v: int) -> int | None:
-    """The argument ``v`` is a transposed copy of (made by transposes alone), or None."""
+    """The argument ``v`` is a transposed copy of (made by one or more transposes), or
+    None (an argument itself is no copy)."""
     producer, args = graph.producers(), set(graph.in_vids)
+    if v in args:
+        return None
     while v not in args:
         a = producer.get(v)
         app = None if a is None else graph.apps[a]
