@@ -222,17 +222,21 @@ def stack_results(graph: Graph, v: int) -> tuple[int, ...]:
 
 
 def _transposed_from(graph: Graph, v: int) -> int | None:
-    """The argument ``v`` is a transposed copy of (made by one or more transposes), or
-    None (an argument itself is no copy)."""
+    """The argument ``v`` is a copy of with its dims reordered (through equations that
+    only move an array, `view_dims`, each reordering or keeping its dims and its dtype),
+    or None (an argument itself is no copy)."""
     producer, args = graph.producers(), set(graph.in_vids)
     if v in args:
         return None
     while v not in args:
         a = producer.get(v)
-        app = None if a is None else graph.apps[a]
-        if app is None or app.kind is not AppKind.EQN or app.eqn.primitive.name != "transpose":
+        moved = None if a is None else view_dims(graph.apps[a])
+        if moved is None or moved == tuple(range(len(moved))):
+            return None  # not a move, or one that copies nothing (a layout constraint)
+        u = graph.apps[a].operands[0]
+        if graph.dtypes[u] != graph.dtypes[v]:
             return None
-        v = app.operands[0]
+        v = u
     return v
 
 
