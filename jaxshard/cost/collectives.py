@@ -714,6 +714,22 @@ def combines_all_reduces(mesh) -> bool:
     return _platform(mesh) == "cpu"
 
 
+def reduces_in_place(mesh) -> bool:
+    """Whether XLA writes an all-reduce's result over its operand on the devices of
+    ``mesh``. Its CPU backend does not: in the buffer assignment of its programs a
+    matmul's partial sum and its all-reduced result are two buffers, both alive while
+    it runs (a forward matmul whose contracted dim is split, read by its activation:
+    the estimate is 0.88x of the compiled program when they are taken as one).
+    Accelerators are taken to reduce in place.
+
+    Example:
+        >>> import jax
+        >>> reduces_in_place(jax.make_mesh((1,), ("data",)))  # on a CPU
+        False
+    """
+    return _platform(mesh) != "cpu"
+
+
 def copies_transposed_operands(mesh) -> bool:
     """Whether the devices of ``mesh`` copy a matmul operand whose dims are not in their
     kernels' order (`jaxshard.cost.transposed_operands`): XLA's CPU backend does;

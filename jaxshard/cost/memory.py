@@ -439,7 +439,11 @@ def transient_peaks(live: Liveness, end: np.ndarray, sizes: np.ndarray) -> list[
 
 
 def transposed_operands(
-    graph, dims: Sequence[Sequence[DimSharding]], axis_sizes: Mapping[str, int], live: Liveness
+    graph,
+    dims: Sequence[Sequence[DimSharding]],
+    axis_sizes: Mapping[str, int],
+    live: Liveness,
+    ends: dict[int, int] | None = None,
 ) -> list[tuple[int, int, int]]:
     """The copies XLA's CPU backend makes of matmul operands it must transpose
     (`memory_estimate`'s ``extra``: ``(first, last, bytes per device)``). Its matmuls read
@@ -449,9 +453,12 @@ def transposed_operands(
     and sequence dims, the leading dims of the activation gradient it reads) is copied
     in that order, unless an equation of the matmul's computation makes it for this
     matmul alone (the maker then writes that order). The copy lives from when the
-    operand is made (inside the matmul's computation) until the matmul. Measured on
-    XLA's CPU programs: the MLP's activation gradients, also read by the input
-    gradient's matmul, are kept twice at the backward pass's peak, once transposed.
+    operand is made (inside the matmul's computation) until the matmul; the operand
+    itself is then free after its other readers, which ``ends`` (when given) receives
+    per buffer: the time of its last reader but the matmul. Measured on XLA's CPU
+    programs: the MLP's activation gradients, also read by the input gradient's matmul,
+    are kept twice at the backward pass's peak, once transposed, and an activation read
+    by another matmul besides (the forward's next layer) is freed after that one.
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxshard.rules
@@ -466,9 +473,11 @@ def transposed_operands(
     """
     made = graph.producers()
     readers: dict[int, int] = {}  # per buffer (common subexpressions are one)
-    for app in graph.apps:
+    reading: dict[int, list[int]] = {}
+    for b, app in enumerate(graph.apps):
         for o in {live.owner[v] for v in app.operands}:
             readers[o] = readers.get(o, 0) + 1
+            reading.setdefault(o, []).append(b)
     at = live.schedule.at if live.schedule is not None else np.arange(len(graph.apps))
     copies = []
     for a, app in enumerate(graph.apps):
@@ -488,6 +497,9 @@ def transposed_operands(
             first = int(live.start[o]) if own and 0 <= live.start[o] <= t else t
             size = per_device_bytes(graph.shapes[v], graph.dtypes[v], dims[v], axis_sizes)
             copies.append((first, t, size))
+            if ends is not None and own and first < t and live.end[o] >= 0:
+                others = [int(at[b]) for b in reading.get(o, ()) if b != a]
+                ends[o] = min(ends.get(o, live.end[o]), max(others, default=first))
     return copies
 
 

@@ -1,11 +1,13 @@
 """What a plan holds in memory per device: the estimate of `Plan.estimated_memory`
 (arguments, results and the largest live set of intermediates, the copies XLA makes
-of moved operands counted as it makes them: `moved_copies`), and the reduction times
+of moved operands and of all-reduced partial sums counted as it makes them:
+`moved_copies`), and the reduction times
 of pending partial sums it needs."""
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 from collections.abc import Mapping
 
@@ -20,10 +22,12 @@ from jaxshard.cost import (
     memory_estimate,
     per_device_bytes,
     reads_of,
+    reduces_in_place,
     schedule,
     transposed_operands,
     xla_scope,
 )
+from jaxshard.graph import AppKind, view_dims
 from jaxshard.plan.apps import dead_apps
 
 
@@ -51,7 +55,13 @@ class PlanMemory:
         live = fused_liveness(g, liveness(g, dead_apps(g), ready, views), matmul_epilogues=cpu)
         copies = self.moved_copies(live, reduced)
         if cpu:
-            copies += transposed_operands(g, self.dims, self.axis_sizes, live)
+            ends: dict[int, int] = {}
+            copies += transposed_operands(g, self.dims, self.axis_sizes, live, ends)
+            if ends:  # the matmul reads the copy: the operand is free after its other readers
+                end = live.end.copy()
+                for o, e in ends.items():
+                    end[o] = e
+                live = dataclasses.replace(live, end=end)
         return memory_estimate(g, self.dims, self.axis_sizes, self.out_dims, live, copies)
 
     def moved_copies(
@@ -63,7 +73,9 @@ class PlanMemory:
         merges those collectives, `_move_operand`), and the working buffers of results
         computed in a larger layout (a gradient summed whole, then reduce-scattered) or
         gathered to one (an optimizer update gathered to its parameter's layout,
-        `_gathered_together`); as ``(first, last, bytes per device)`` in the times of
+        `_gathered_together`), and, where XLA all-reduces apart from the operand
+        (`jaxshard.cost.reduces_in_place`), a partial sum's second buffer while it is
+        all-reduced (`_reduced_apart`); as ``(first, last, bytes per device)`` in the times of
         ``live``'s schedule (XLA gathers a parameter before the loops when nothing else
         holds the gather back); ``reduced``: `_reduction_times` in those times, when
         known.
@@ -82,6 +94,7 @@ class PlanMemory:
         copies = []
         uses = producers = None  # made when a gathered result needs its readers
         reduced = self._reduction_times(at) if reduced is None else reduced
+        apart = not reduces_in_place(self.mesh)
         stored = set() if live is None else set(live.intermediates.tolist())
         outs = set(g.out_vids)
         buffers = stored | outs
@@ -95,13 +108,18 @@ class PlanMemory:
                 own = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.dst, self.axis_sizes)
                 if size > own:
                     copies.append((t, reduced.get(i, t), size))
+                elif apart and self._reduced_apart(r.vid, own):
+                    # the all-reduce writes its result beside the partial sum, which the
+                    # value stands for: both are alive while it runs
+                    when = reduced.get(i, t)
+                    copies.append((when, when, size))
                 o = None if live is None else live.owner[r.vid]
                 if o is not None and o not in stored and live.end[o] >= 0:
                     # an elementwise result fusion would recompute in its readers: the
                     # collective's output is a buffer of its own (an optimizer update
                     # gathered to its parameter's layout)
                     if uses is None:
-                        uses, producers = g.uses(), g.producers()
+                        uses, producers = self._uses, g.producers()
                     readers = self._fusion_readers(r.vid, buffers, uses, at)
                     end = int(max(t, live.end[o], *readers.values()))
                     written = {v: w for v, w in readers.items() if v in outs}
@@ -119,6 +137,58 @@ class PlanMemory:
         for group in applied.values():
             copies += self._gathered_together(group)
         return copies
+
+    @functools.cached_property
+    def _uses(self) -> list[list[int]]:
+        """Per value, the applications it takes part in (`jaxshard.graph.Graph.uses`)."""
+        return self.graph.uses()
+
+    def _reduced_apart(self, v: int, size: int) -> bool:
+        """Whether all-reducing partial sum ``v`` (``size`` bytes per device once reduced)
+        takes a buffer the estimate does not hold. A result's buffer takes the all-reduce's
+        output; its partial is one more, unless the result's maker writes over an operand
+        of its type (a gradient scattered into zeros: the estimate holds those). Any other
+        value stands for the partial; its all-reduced copy is one more, unless it flows,
+        through moves and elementwise equations, into a result of at least its size (an
+        update XLA writes over it) or into a loop (a gradient stacked by the backward
+        scan)."""
+        g = self.graph
+        uses = self._uses
+        outs = {
+            r: per_device_bytes(g.shapes[r], g.dtypes[r], self.out_dims[k], self.axis_sizes)
+            for k, r in enumerate(g.out_vids)
+        }  # per result, its bytes per device
+        if v in outs:
+            maker = g.producers().get(v)
+            if maker is None:
+                return True
+            app, args = g.apps[maker], set(g.in_vids)
+            made = app.rule.results[app.results.index(v)]
+            return not any(  # an operand with the result's factors, dim for dim, is written over
+                dims == made and g.dtypes[o] == g.dtypes[v] and o not in args
+                for o, dims in zip(app.operands, app.rule.operands)
+            )
+        seen, todo = {v}, [v]
+        while todo:
+            u = todo.pop()
+            for a in uses[u]:
+                app = g.apps[a]
+                if app.kind is AppKind.LINK:
+                    return False  # written into a loop's stacked result or carry
+                if u not in app.operands or app.kind is AppKind.TIE:
+                    continue
+                shape = g.shapes[u]
+                moves = view_dims(app) is not None
+                if not moves and not all(f.plain for f in app.rule.factors):
+                    continue
+                for r in app.results:
+                    if r in seen or (not moves and g.shapes[r] != shape):
+                        continue
+                    if outs.get(r, -1) >= size:
+                        return False
+                    seen.add(r)
+                    todo.append(r)
+        return True
 
     def _gathered_together(self, group: list) -> list[tuple[int, int, int]]:
         """The gathered results of one computation that fusion folds into readers that
