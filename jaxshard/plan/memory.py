@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping
 
 from jaxshard.cost import (
@@ -153,12 +154,7 @@ class PlanMemory:
         update XLA writes over it) or into a loop (a gradient stacked by the backward
         scan)."""
         g = self.graph
-        uses = self._uses
-        outs = {
-            r: per_device_bytes(g.shapes[r], g.dtypes[r], self.out_dims[k], self.axis_sizes)
-            for k, r in enumerate(g.out_vids)
-        }  # per result, its bytes per device
-        if v in outs:
+        if v in self._result_bytes:
             maker = g.producers().get(v)
             if maker is None:
                 return True
@@ -168,27 +164,62 @@ class PlanMemory:
                 dims == made and g.dtypes[o] == g.dtypes[v] and o not in args
                 for o, dims in zip(app.operands, app.rule.operands)
             )
-        seen, todo = {v}, [v]
+        return self._flows_into(v) < size
+
+    def _flows_into(self, v: int) -> float:
+        """The most bytes per device of a result ``v`` flows into through moves and
+        elementwise equations keeping its shape; inf when it flows into a loop's link.
+        Memoized per value: the partial sums of successive layers share the residual
+        stream they flow along."""
+        outs, memo = self._result_bytes, self._flows
+        entered, todo = set(), [v]
         while todo:
-            u = todo.pop()
-            for a in uses[u]:
-                app = g.apps[a]
-                if app.kind is AppKind.LINK:
-                    return False  # written into a loop's stacked result or carry
-                if u not in app.operands or app.kind is AppKind.TIE:
-                    continue
-                shape = g.shapes[u]
-                moves = view_dims(app) is not None
-                if not moves and not all(f.plain for f in app.rule.factors):
-                    continue
-                for r in app.results:
-                    if r in seen or (not moves and g.shapes[r] != shape):
-                        continue
-                    if outs.get(r, -1) >= size:
-                        return False
-                    seen.add(r)
-                    todo.append(r)
-        return True
+            u = todo[-1]
+            if u in memo:
+                todo.pop()
+                continue
+            nexts = self._flows_next(u)
+            waiting = [r for r in nexts if r >= 0 and r not in memo and r not in entered]
+            if waiting and u not in entered:
+                entered.add(u)
+                todo.extend(waiting)
+                continue
+            todo.pop()
+            memo[u] = max(
+                (math.inf if r < 0 else max(outs.get(r, -1), memo.get(r, -1)) for r in nexts),
+                default=-1,
+            )
+        return memo[v]
+
+    def _flows_next(self, u: int) -> list[int]:
+        """The values `_flows_into` follows from ``u`` (-1 for a loop's link)."""
+        g = self.graph
+        found = []
+        for a in self._uses[u]:
+            app = g.apps[a]
+            if app.kind is AppKind.LINK:
+                return [-1]  # written into a loop's stacked result or carry
+            if u not in app.operands or app.kind is AppKind.TIE:
+                continue
+            moves = view_dims(app) is not None
+            if not moves and not all(f.plain for f in app.rule.factors):
+                continue
+            found += [r for r in app.results if moves or g.shapes[r] == g.shapes[u]]
+        return found
+
+    @functools.cached_property
+    def _result_bytes(self) -> dict[int, int]:
+        """Per result value, its bytes per device."""
+        g = self.graph
+        return {
+            r: per_device_bytes(g.shapes[r], g.dtypes[r], self.out_dims[k], self.axis_sizes)
+            for k, r in enumerate(g.out_vids)
+        }
+
+    @functools.cached_property
+    def _flows(self) -> dict[int, float]:
+        """`_flows_into`'s memo."""
+        return {}
 
     def _gathered_together(self, group: list) -> list[tuple[int, int, int]]:
         """The gathered results of one computation that fusion folds into readers that
