@@ -473,11 +473,12 @@ def transposed_operands(
     """
     made = graph.producers()
     readers: dict[int, int] = {}  # per buffer (common subexpressions are one)
-    reading: dict[int, list[int]] = {}
+    reading: dict[int, list[int]] = {}  # per buffer, its readers (for ``ends`` alone)
     for b, app in enumerate(graph.apps):
         for o in {live.owner[v] for v in app.operands}:
             readers[o] = readers.get(o, 0) + 1
-            reading.setdefault(o, []).append(b)
+            if ends is not None:
+                reading.setdefault(o, []).append(b)
     at = live.schedule.at if live.schedule is not None else np.arange(len(graph.apps))
     copies = []
     for a, app in enumerate(graph.apps):

@@ -172,18 +172,20 @@ class PlanMemory:
         Memoized per value: the partial sums of successive layers share the residual
         stream they flow along."""
         outs, memo = self._result_bytes, self._flows
-        entered, todo = set(), [v]
+        entered: dict[int, list[int]] = {}  # values whose successors are being walked
+        todo = [v]
         while todo:
             u = todo[-1]
             if u in memo:
                 todo.pop()
                 continue
-            nexts = self._flows_next(u)
-            waiting = [r for r in nexts if r >= 0 and r not in memo and r not in entered]
-            if waiting and u not in entered:
-                entered.add(u)
-                todo.extend(waiting)
-                continue
+            nexts = entered.get(u)
+            if nexts is None:
+                nexts = entered[u] = self._flows_next(u)
+                waiting = [r for r in nexts if r >= 0 and r not in memo and r not in entered]
+                if waiting:
+                    todo.extend(waiting)
+                    continue
             todo.pop()
             memo[u] = max(
                 (math.inf if r < 0 else max(outs.get(r, -1), memo.get(r, -1)) for r in nexts),
