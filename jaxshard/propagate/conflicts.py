@@ -363,9 +363,15 @@ class ConflictPolicy:
     def _price(self, vid: int, src, dst, partial: frozenset[str] = frozenset()) -> float:
         """What moving value ``vid`` from ``src`` to ``dst`` costs: bytes per device, or
         seconds under the cost model."""
-        shape, dtype, sizes = self.graph.shapes[vid], self.graph.dtypes[vid], self.axis_sizes
-        steps = reshard_collectives(shape, dtype, src, dst, sizes, partial, self.reduce_scatter)
-        return sum(self._step_price(s) for s in steps) + 0.0
+        shape, dtype = self.graph.shapes[vid], self.graph.dtypes[vid]
+        key = (shape, dtype, tuple(src), tuple(dst), partial)
+        found = self._prices.get(key)
+        if found is None:
+            steps = reshard_collectives(
+                shape, dtype, src, dst, self.axis_sizes, partial, self.reduce_scatter
+            )
+            found = self._prices[key] = sum(self._step_price(s) for s in steps) + 0.0
+        return found
 
     def _step_price(self, step: Collective) -> float:
         if self.cost_model is None:

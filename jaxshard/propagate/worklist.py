@@ -104,6 +104,10 @@ class Propagator(Projection, ConflictPolicy):
         self._split = lru_cache(maxsize=None)(  # until the next full garbage collection
             lambda axes, sizes: split_axes(axes, sizes, axis_sizes)
         )
+        # what a move costs (`_price`), per (shape, dtype, from, to, partial): repeated
+        # layers and the trials of `split_for_memory` price the same moves again; a fork
+        # shares it (prices depend on neither layouts nor conflicts)
+        self._prices: dict[tuple, float] = {}
 
     def fork(self) -> Propagator:
         """A copy whose layouts can change without touching this one (the graph and the
