@@ -168,8 +168,8 @@ def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False
         f"({human_bytes(sum(nbytes(g.shapes[v], g.dtypes[v]) for v in g.out_vids))} replicated)",
         f"estimated memory: {human_bytes(memory.total)} per device (arguments "
         f"{human_bytes(memory.arguments)}, results {human_bytes(memory.results)}, peak "
-        f"intermediates {human_bytes(memory.activations)}"
-        + (f", after equation {memory.peak_app})" if memory.peak_app >= 0 else ")"),
+        f"intermediates {human_bytes(memory.activations)})",
+        *_peak_lines(plan, memory),
         f"predicted communication: {human_bytes(plan.predicted_bytes)} per device per call"
         + (f" ({while_note(plan)})" if plan.while_reshards else ""),
         f"predicted compute: {compute_flops(plan) / 1e9:.3g} GFLOP per device per call "
@@ -177,6 +177,19 @@ def explain_plan(plan: Plan, max_reshards: int = 40, intermediates: bool = False
         + ("; the pipeline's bubble iterations included)" if plan.pipelined else ")"),
     ]
     return "\n".join(out)
+
+
+def _peak_lines(plan: Plan, memory, shown: int = 6) -> list[str]:
+    """The largest buffers the estimate holds at its peak (`Plan.peak_buffers`)."""
+    if memory.peak_app < 0:
+        return []
+    found = plan.peak_buffers()
+    lines = [f"  largest at the peak (at {plan.graph.apps[memory.peak_app].describe()}):"]
+    lines += [f"    {human_bytes(b):>10}  {what}" for b, what in found[:shown]]
+    if len(found) > shown:
+        rest = sum(b for b, _ in found[shown:])
+        lines.append(f"    {human_bytes(rest):>10}  in {len(found) - shown} smaller buffers")
+    return lines
 
 
 register_stage("explain", explain_plan)

@@ -364,3 +364,29 @@ def test_weights_stored_with_the_layer_axis_second_are_read_where_they_are(line)
     args = (params, jax.eval_shape(optimizer.init, params), jax.ShapeDtypeStruct((256, 512), F32))
     ratio = _ratio(line, _optimizer_step(loss, optimizer), args, {"x": P("data")})
     assert ratio == pytest.approx(1.0, abs=0.10)
+
+
+def test_explain_lists_what_the_estimate_holds_at_its_peak():
+    # w1 stored split over both axes: its gradient is summed over 'data' and the second
+    # matmul's over the same axis, all-reduced apart on CPU; the listing names each
+    # buffer by the line that makes it and adds up to the estimate's peak
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+
+    def step(w1, w2, x):
+        g1, g2 = jax.grad(lambda a, b: jnp.mean(jnp.tanh(x @ a) @ b), argnums=(0, 1))(w1, w2)
+        return w1 - 0.1 * g1, w2 - 0.1 * g2
+
+    args = (
+        jax.ShapeDtypeStruct((512, 2048), F32),
+        jax.ShapeDtypeStruct((2048, 512), F32),
+        jax.ShapeDtypeStruct((256, 512), F32),
+    )
+    plan = jaxshard.auto_shard(mesh, {"x": P("data"), "w1": P("data", "model")})(step).plan(*args)
+    held = plan.peak_buffers()
+    assert sum(b for b, _ in held) == plan.estimated_memory.activations
+    assert [b for b, _ in held] == sorted((b for b, _ in held), reverse=True)
+    assert all("test_memory_model.py" in what for _, what in held)
+    assert any(what.endswith("all-reduced apart") for _, what in held)
+    text = plan.explain()
+    assert "largest at the peak (at dot_general at" in text
+    assert f"{held[0][1]}" in text

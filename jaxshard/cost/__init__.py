@@ -39,6 +39,7 @@ from jaxshard.cost.memory import (  # noqa: F401
     buffer_bytes,
     fused_liveness,
     memory_estimate,
+    peak_buffers,
     transient_peaks,
     transposed_operands,
 )

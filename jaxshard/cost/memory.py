@@ -2,7 +2,7 @@
 with the epilogues fused into batched matmuls, `_epilogue_regions`), the
 plan's estimate (`memory_estimate`: arguments, results and the largest live set of
 intermediates, with work the schedule runs at one time peaking in program order:
-`transient_peaks`), the transposed copies XLA's CPU matmuls read
+`transient_peaks`; `peak_buffers`: what that set holds), the transposed copies XLA's CPU matmuls read
 (`transposed_operands`), and the estimate's curve over the schedule (`MemoryCurve`).
 """
 
@@ -294,11 +294,12 @@ def memory_estimate(
     axis_sizes: Mapping[str, int],
     out_dims: Sequence[Sequence[DimSharding]] | None = None,
     live: Liveness | None = None,
-    extra: Iterable[tuple[int, int, float]] = (),
+    extra: Iterable[tuple] = (),
 ) -> MemoryEstimate:
     """Per-device memory of a layout of every value of ``graph``; ``extra`` adds buffers
-    no value holds, as ``(first, last, bytes)``: alive from application ``first`` to
-    ``last`` (the gathered copy of a parameter stored apart).
+    no value holds, as ``(first, last, bytes)`` or ``(first, last, bytes, what)``: alive
+    from application ``first`` to ``last`` (the gathered copy of a parameter stored
+    apart); `peak_buffers` lists what is alive at the peak.
 
     The approximation: a linear scan over the equations in program order, each
     intermediate alive from the equation that makes it to its last reader, every one a
@@ -316,46 +317,98 @@ def memory_estimate(
         >>> memory_estimate(g, [[("data",), ()]] * len(g.shapes), {"data": 2})
         MemoryEstimate(arguments=64, results=64, activations=64, peak_app=0)
     """
-    live = live or liveness(graph)
-    out_dims = out_dims if out_dims is not None else [dims[v] for v in graph.out_vids]
-    args = sum(
-        per_device_bytes(graph.shapes[v], graph.dtypes[v], dims[v], axis_sizes)
-        for v in set(graph.in_vids)
-    )
-    seen: set[int] = set()
-    results = 0
-    for v, d in zip(graph.out_vids, out_dims):
-        if v not in seen:
-            seen.add(v)
-            results += per_device_bytes(graph.shapes[v], graph.dtypes[v], d, axis_sizes)
-    n_apps = len(graph.apps)
-    extra = [(first, last, b) for first, last, b in extra if b]
-    if not (len(live.intermediates) or extra) or not n_apps:
-        return MemoryEstimate(args, results, 0, -1)
-    sizes = np.array(
-        [buffer_bytes(graph, v, dims, axis_sizes, live) for v in live.intermediates],
-        dtype=np.int64,
-    )
-    end = live.end
-    for v, t in live.squeezable.items():
-        if 1 in per_device_shape(graph.shapes[v], dims[v], axis_sizes):
-            end = end.copy() if end is live.end else end
-            end[v] = t
-    # XLA's buffer assignment puts a scanned gradient in the buffer of the result it
-    # updates when that is written after the gradient's last reader
-    sizes = _in_result_buffers(graph, live, end, sizes, out_dims, axis_sizes)
-    delta = np.zeros(n_apps + 1, dtype=np.int64)
-    np.add.at(delta, live.start[live.intermediates], sizes)
-    np.add.at(delta, end[live.intermediates] + 1, -sizes)
-    for first, last, b in extra:
-        delta[first] += int(b)
-        delta[last + 1] -= int(b)
-    for t, excess in transient_peaks(live, end, sizes):
-        delta[t] -= excess
-        delta[t + 1] += excess
-    curve = np.cumsum(delta)[:n_apps]
-    peak = int(np.argmax(curve))
-    return MemoryEstimate(args, results, int(curve[peak]), peak)
+    return _Curve(graph, dims, axis_sizes, out_dims, live, extra).estimate
+
+
+def peak_buffers(
+    graph,
+    dims: Sequence[Sequence[DimSharding]],
+    axis_sizes: Mapping[str, int],
+    out_dims: Sequence[Sequence[DimSharding]] | None = None,
+    live: Liveness | None = None,
+    extra: Iterable[tuple] = (),
+) -> list[tuple[int, int | str]]:
+    """What `memory_estimate` holds at its peak, largest first: ``(bytes per device,
+    value)`` for an intermediate, ``(bytes per device, what)`` for a buffer of ``extra``
+    (``what`` its fourth element, or "a buffer no value holds"). Where the peak is a run
+    of work the schedule puts at one time (`transient_peaks`), the run's buffers are all
+    listed although not all are alive at once, so the list can add up to more than the
+    estimate's activations.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxshard.rules
+        >>> from jaxshard.trace import trace
+        >>> from jaxshard.graph import build_graph
+        >>> g = build_graph(trace(lambda x: jnp.sin(x) * 2, (jnp.ones((8, 4)),), {}), {})
+        >>> peak_buffers(g, [[("data",), ()]] * len(g.shapes), {"data": 2})
+        [(64, 1)]
+    """
+    return _Curve(graph, dims, axis_sizes, out_dims, live, extra).at_peak()
+
+
+class _Curve:
+    """`memory_estimate`'s account: the arguments' and results' bytes, each buffer's
+    bytes and life over the schedule, and the sum of the live ones at each time."""
+
+    def __init__(self, graph, dims, axis_sizes, out_dims=None, live=None, extra=()):
+        live = live or liveness(graph)
+        out_dims = out_dims if out_dims is not None else [dims[v] for v in graph.out_vids]
+        args = sum(
+            per_device_bytes(graph.shapes[v], graph.dtypes[v], dims[v], axis_sizes)
+            for v in set(graph.in_vids)
+        )
+        seen: set[int] = set()
+        results = 0
+        for v, d in zip(graph.out_vids, out_dims):
+            if v not in seen:
+                seen.add(v)
+                results += per_device_bytes(graph.shapes[v], graph.dtypes[v], d, axis_sizes)
+        n_apps = len(graph.apps)
+        self.live, self.extra = live, [x for x in extra if x[2]]
+        self.sizes = self.end = self.curve = None
+        if not (len(live.intermediates) or self.extra) or not n_apps:
+            self.estimate = MemoryEstimate(args, results, 0, -1)
+            return
+        sizes = np.array(
+            [buffer_bytes(graph, v, dims, axis_sizes, live) for v in live.intermediates],
+            dtype=np.int64,
+        )
+        end = live.end
+        for v, t in live.squeezable.items():
+            if 1 in per_device_shape(graph.shapes[v], dims[v], axis_sizes):
+                end = end.copy() if end is live.end else end
+                end[v] = t
+        # XLA's buffer assignment puts a scanned gradient in the buffer of the result it
+        # updates when that is written after the gradient's last reader
+        sizes = _in_result_buffers(graph, live, end, sizes, out_dims, axis_sizes)
+        delta = np.zeros(n_apps + 1, dtype=np.int64)
+        np.add.at(delta, live.start[live.intermediates], sizes)
+        np.add.at(delta, end[live.intermediates] + 1, -sizes)
+        for first, last, b, *_ in self.extra:
+            delta[first] += int(b)
+            delta[last + 1] -= int(b)
+        for t, excess in transient_peaks(live, end, sizes):
+            delta[t] -= excess
+            delta[t + 1] += excess
+        curve = np.cumsum(delta)[:n_apps]
+        peak = int(np.argmax(curve))
+        self.sizes, self.end, self.curve = sizes, end, curve
+        self.estimate = MemoryEstimate(args, results, int(curve[peak]), peak)
+
+    def at_peak(self) -> list[tuple[int, int | str]]:
+        """`peak_buffers`."""
+        t = self.estimate.peak_app
+        if t < 0:
+            return []
+        live, inter = self.live, self.live.intermediates
+        (held,) = np.nonzero((live.start[inter] <= t) & (self.end[inter] >= t) & (self.sizes > 0))
+        found: list[tuple[int, int | str]] = [(int(self.sizes[i]), int(inter[i])) for i in held]
+        found += [
+            (int(x[2]), x[3] if len(x) > 3 else "a buffer no value holds")
+            for x in self.extra
+            if x[0] <= t <= x[1]
+        ]
+        return sorted(found, key=lambda f: -f[0])
 
 
 def _in_result_buffers(graph, live: Liveness, end, sizes, out_dims, axis_sizes) -> np.ndarray:
@@ -444,9 +497,9 @@ def transposed_operands(
     axis_sizes: Mapping[str, int],
     live: Liveness,
     ends: dict[int, int] | None = None,
-) -> list[tuple[int, int, int]]:
+) -> list[tuple[int, int, int, str]]:
     """The copies XLA's CPU backend makes of matmul operands it must transpose
-    (`memory_estimate`'s ``extra``: ``(first, last, bytes per device)``). Its matmuls read
+    (`memory_estimate`'s ``extra``: ``(first, last, bytes per device, what)``). Its matmuls read
     the left operand as (free, contracted) dims, each group collapsed into one (or, for a
     single contracted and a single free dim, transposed as it is); a left operand whose
     contracted dims come before its free ones (a weight gradient contracting the batch
@@ -469,7 +522,7 @@ def transposed_operands(
         ...     return jnp.sin(h).sum() + jnp.einsum("bsf,bsd->fd", jnp.sin(h), x).sum()
         >>> g = build_graph(trace(f, (jnp.ones((2, 4, 8)), jnp.ones((2, 4, 3))), {}), {})
         >>> transposed_operands(g, [[(), (), ()]] * len(g.shapes), {}, liveness(g))
-        [(0, 3, 256)]
+        [(0, 3, 256, 'a transposed copy of %... (2, 4, 8) for dot_general at ...')]
     """
     made = graph.producers()
     readers: dict[int, int] = {}  # per buffer (common subexpressions are one)
@@ -497,7 +550,8 @@ def transposed_operands(
             o = live.owner[v]
             first = int(live.start[o]) if own and 0 <= live.start[o] <= t else t
             size = per_device_bytes(graph.shapes[v], graph.dtypes[v], dims[v], axis_sizes)
-            copies.append((first, t, size))
+            what = f"a transposed copy of %{v} {tuple(graph.shapes[v])} for {app.describe()}"
+            copies.append((first, t, size, what))
             if ends is not None and own and first < t and live.end[o] >= 0:
                 others = [int(at[b]) for b in reading.get(o, ()) if b != a]
                 ends[o] = min(ends.get(o, live.end[o]), max(others, default=first))

@@ -1,7 +1,7 @@
 """What a plan holds in memory per device: the estimate of `Plan.estimated_memory`
 (arguments, results and the largest live set of intermediates, the copies XLA makes
 of moved operands and of all-reduced partial sums counted as it makes them:
-`moved_copies`), and the reduction times
+`moved_copies`), what it holds at its peak (`peak_buffers`), and the reduction times
 of pending partial sums it needs."""
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from jaxshard.cost import (
     bitcasts,
     combines_all_reduces,
     copies_transposed_operands,
+    dtype_name,
     fused_liveness,
     liveness,
     memory_estimate,
+    peak_buffers,
     per_device_bytes,
     reads_of,
     reduces_in_place,
@@ -28,7 +30,8 @@ from jaxshard.cost import (
     transposed_operands,
     xla_scope,
 )
-from jaxshard.graph import AppKind, view_dims
+from jaxshard.graph import AppKind, source_line, view_dims
+from jaxshard.lattice import to_spec
 from jaxshard.plan.apps import dead_apps
 
 
@@ -47,6 +50,27 @@ class PlanMemory:
             >>> plan.estimated_memory.total  # doctest: +SKIP
             35789824
         """
+        live, copies = self._held
+        return memory_estimate(self.graph, self.dims, self.axis_sizes, self.out_dims, live, copies)
+
+    def peak_buffers(self) -> list[tuple[int, str]]:
+        """What `estimated_memory` holds at its peak, largest first: ``(bytes per device,
+        what)`` for each intermediate (named by the equation that makes it, with shape,
+        dtype and layout) and each copy XLA makes (a moved operand, a transposed matmul
+        operand, a partial sum's working buffer); `explain` shows the largest.
+
+        Example:
+            >>> plan.peak_buffers()[0]  # doctest: +SKIP
+            (2101346304, '%812 = dot_general at model.py:324 (64, 4096, 128256) float32 P(...)')
+        """
+        live, copies = self._held
+        found = peak_buffers(self.graph, self.dims, self.axis_sizes, self.out_dims, live, copies)
+        return [(b, what if isinstance(what, str) else self._named(what)) for b, what in found]
+
+    @functools.cached_property
+    def _held(self) -> tuple[Liveness, list[tuple[int, int, int, str]]]:
+        """The buffers' lives and the copies no value holds, as `estimated_memory` counts
+        them."""
         g = self.graph
         # readers of a reduced value wait for its combined reduction
         reduced = self._reduction_times(schedule(g).at)
@@ -63,11 +87,30 @@ class PlanMemory:
                 for o, e in ends.items():
                     end[o] = e
                 live = dataclasses.replace(live, end=end)
-        return memory_estimate(g, self.dims, self.axis_sizes, self.out_dims, live, copies)
+        return live, copies
+
+    def _named(self, v: int) -> str:
+        """A value as `explain` names it, with its shape, dtype and layout."""
+        g = self.graph
+        name = g.names.get(v)
+        if name is None:
+            a = g.producers().get(v)
+            if a is None:  # a loop's result (its stacked residuals): named by the loop
+                a = next((b for b in self._uses[v] if g.apps[b].kind is AppKind.LINK), None)
+                a = None if a is None else g.apps[a]
+                made = (
+                    ""
+                    if a is None
+                    else f" = {a.eqn.primitive.name} at {source_line(a.eqn, a.where)}"
+                )
+            else:
+                made = f" = {g.apps[a].describe()}"
+            name = f"%{v}{made}"
+        return f"{name} {tuple(g.shapes[v])} {dtype_name(g.dtypes[v])} {to_spec(self.dims[v])}"
 
     def moved_copies(
         self, live: Liveness | None = None, reduced: Mapping[int, int] | None = None
-    ) -> list[tuple[int, int, int]]:
+    ) -> list[tuple[int, int, int, str]]:
         """The buffers no value holds: operands moved for their use (a parameter
         gathered from its storage layout), alive from the use that moves it to the last
         later contraction in the same XLA computation that reads the same copy (XLA
@@ -108,12 +151,13 @@ class PlanMemory:
                 size = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.src, self.axis_sizes)
                 own = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.dst, self.axis_sizes)
                 if size > own:
-                    copies.append((t, reduced.get(i, t), size))
+                    what = f"{self._named(r.vid)} summed in {to_spec(r.src)} before its move"
+                    copies.append((t, reduced.get(i, t), size, what))
                 elif apart and self._reduced_apart(r.vid, own):
                     # the all-reduce writes its result beside the partial sum, which the
                     # value stands for: both are alive while it runs
                     when = reduced.get(i, t)
-                    copies.append((when, when, size))
+                    copies.append((when, when, size, f"{self._named(r.vid)}, all-reduced apart"))
                 o = None if live is None else live.owner[r.vid]
                 if o is not None and o not in stored and live.end[o] >= 0:
                     # an elementwise result fusion would recompute in its readers: the
@@ -130,11 +174,13 @@ class PlanMemory:
                         ready = self._fused_from(r.vid, buffers, producers, at)
                         applied.setdefault(scope, []).append((ready, first, end, own, written))
                     else:
-                        copies.append((first, end, own))
+                        what = f"{self._named(r.vid)} gathered to {to_spec(r.dst)}"
+                        copies.append((first, end, own, what))
                 continue
             size = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.dst, self.axis_sizes)
             key = (r.vid, r.dst, xla_scope(g.apps[r.app].where))
-            copies.append((sched.hoisted(r.app, r.vid), int(max(t, last.get(key, t))), size))
+            what = f"{self._named(r.vid)} moved to {to_spec(r.dst)} for {g.apps[r.app].describe()}"
+            copies.append((sched.hoisted(r.app, r.vid), int(max(t, last.get(key, t))), size, what))
         for group in applied.values():
             copies += self._gathered_together(group)
         return copies
@@ -223,7 +269,7 @@ class PlanMemory:
         """`_flows_into`'s memo."""
         return {}
 
-    def _gathered_together(self, group: list) -> list[tuple[int, int, int]]:
+    def _gathered_together(self, group: list) -> list[tuple[int, int, int, str]]:
         """The gathered results of one computation that fusion folds into readers that
         write step results (optimizer updates gathered to their parameters' layouts;
         ``(computed, first reader, last reader, bytes, {result written: when})`` each),
@@ -247,7 +293,8 @@ class PlanMemory:
                 del free[min(fits, key=sizes.get)]
             else:
                 earliest = firsts[min(bisect.bisect_left(firsts, ready), len(firsts) - 1)]
-                copies.append((min(first, earliest), last, size))
+                what = "an optimizer update gathered to its parameter's layout"
+                copies.append((min(first, earliest), last, size, what))
         return copies
 
     def _fused_from(self, v: int, buffers: set[int], producers, at) -> int:
