@@ -164,6 +164,8 @@ def test_budget_no_layout_meets_names_the_smallest_footprint(gpt, mesh):
     smallest = int(re.search(r"\((\d+) bytes\) per device", str(info.value)).group(1))
     assert smallest > 64 * 1024
     assert "budget of 64.00 KiB per device" in str(info.value)
+    # and says what holds the most at its peak, by source line
+    assert re.search(r"at its peak: [\d.]+ [KM]iB %\d+ = \w+ at .*models\.py:\d+", str(info.value))
 
 
 def test_an_unmeetable_budget_stays_within_the_time_limit(gpt, mesh, monkeypatch):

@@ -58,10 +58,12 @@ class SearchResult:
 
 def raise_over_budget(problem, budget, memory: MemoryEstimate, plan: Plan) -> None:
     """Raise a ShardingError naming the smallest per-device footprint found (measured
-    after propagation) and its layout."""
+    after propagation), its layout and the largest buffers at its peak
+    (`Plan.peak_buffers`)."""
     specs = jax.tree.leaves(plan.in_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
     shown = [f"{n}: {s}" for n, s in zip(problem.traced.in_names, specs) if tuple(s)]
     size = lambda n: human_bytes(n, 2)  # noqa: E731
+    held = "; ".join(f"{size(b)} {what}" for b, what in plan.peak_buffers()[:3])
     error = ShardingError(
         f"no layout fits the memory budget of {size(budget)} per device: the smallest "
         f"footprint jaxshard finds on this mesh is {size(memory.total)} ({memory.total} bytes) "
@@ -70,6 +72,7 @@ def raise_over_budget(problem, budget, memory: MemoryEstimate, plan: Plan) -> No
         "by jaxshard.cost.memory_estimate), with "
         + ", ".join(shown[:6])
         + (", ..." if len(shown) > 6 else "")
+        + (f"; at its peak: {held}" if held else "")
         + ". Raise the budget to at least that, use a larger mesh, or shrink the batch."
     )
     error.footprint = memory  # the smallest estimate found, for callers that weigh meshes
