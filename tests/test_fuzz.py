@@ -17,6 +17,8 @@ Properties:
   equations with a reduction factor;
 - every dim a hint pins (hints dict or ``jaxshard.hint``) keeps the hinted layout;
 - propagating the finished plan again changes nothing;
+- the memory estimate's peak listing (`Plan.peak_buffers`) names buffers adding up to
+  at least its peak of intermediates;
 - the layouts equations work in (both sides of every predicted reshard) are valid, a
   partial sum is never over an axis that shards the layout it is computed in, and each
   is reduced where it is made;
@@ -237,6 +239,20 @@ def test_every_value_gets_a_valid_complete_layout(case):
     for name, dims, vid in zip(plan.traced.out_names, plan.out_dims, g.out_vids):
         assert_valid_layout(dims, g.shapes[vid], sizes, name)
         NamedSharding(case.mesh(), to_spec(dims)).shard_shape(g.shapes[vid])  # JAX agrees
+
+
+@RUNNING
+@given(case=cases(max_ops=8))
+@pinned_examples
+def test_the_memory_estimate_lists_what_it_holds_at_its_peak(case):
+    # every buffer at the peak, largest first, named; together at least the peak (a run
+    # of work the schedule puts at one time is listed whole: not all alive at once)
+    plan = _plan(case)
+    memory, held = plan.estimated_memory, plan.peak_buffers()
+    assert [b for b, _ in held] == sorted((b for b, _ in held), reverse=True)
+    assert all(b > 0 and what for b, what in held)
+    assert sum(b for b, _ in held) >= memory.activations
+    assert bool(held) == (memory.activations > 0)
 
 
 @PLANNING
