@@ -320,20 +320,13 @@ def memory_estimate(
     return _Curve(graph, dims, axis_sizes, out_dims, live, extra).estimate
 
 
-def peak_buffers(
-    graph,
-    dims: Sequence[Sequence[DimSharding]],
-    axis_sizes: Mapping[str, int],
-    out_dims: Sequence[Sequence[DimSharding]] | None = None,
-    live: Liveness | None = None,
-    extra: Iterable[tuple] = (),
-) -> list[tuple[int, int | str]]:
-    """What `memory_estimate` holds at its peak, largest first: ``(bytes per device,
-    value)`` for an intermediate, ``(bytes per device, what)`` for a buffer of ``extra``
-    (``what`` its fourth element, or "a buffer no value holds"). Where the peak is a run
-    of work the schedule puts at one time (`transient_peaks`), the run's buffers are all
-    listed although not all are alive at once, so the list can add up to more than the
-    estimate's activations.
+def peak_buffers(graph, *args, **kwargs) -> list[tuple[int, int | str]]:
+    """What `memory_estimate` (given the same arguments) holds at its peak, largest
+    first: ``(bytes per device, value)`` for an intermediate, ``(bytes per device,
+    what)`` for a buffer of ``extra`` (``what`` its fourth element, or "a buffer no
+    value holds"). Where the peak is a run of work the schedule puts at one time
+    (`transient_peaks`), the run's buffers are all listed although not all are alive at
+    once, so the list can add up to more than the estimate's activations.
 
     Example:
         >>> import jax.numpy as jnp, jaxshard.rules
@@ -343,7 +336,7 @@ def peak_buffers(
         >>> peak_buffers(g, [[("data",), ()]] * len(g.shapes), {"data": 2})
         [(64, 1)]
     """
-    return _Curve(graph, dims, axis_sizes, out_dims, live, extra).at_peak()
+    return _Curve(graph, *args, **kwargs).at_peak()
 
 
 class _Curve:
