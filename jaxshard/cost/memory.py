@@ -1,9 +1,10 @@
 """Memory per device: the buffers XLA's fusion never makes (`fused_liveness`; on CPU
-with the epilogues fused into batched matmuls, `_epilogue_regions`), the
-plan's estimate (`memory_estimate`: arguments, results and the largest live set of
+with the epilogues fused into batched matmuls, `_epilogue_regions`), the plan's
+estimate (`memory_estimate`: arguments, results and the largest live set of
 intermediates, with work the schedule runs at one time peaking in program order:
-`transient_peaks`; `peak_buffers`: what that set holds), the transposed copies XLA's CPU matmuls read
-(`transposed_operands`), and the estimate's curve over the schedule (`MemoryCurve`).
+`transient_peaks`; `peak_buffers`: what that set holds), the transposed copies XLA's
+CPU matmuls read (`transposed_operands`), and the estimate's curve over the schedule
+(`MemoryCurve`).
 """
 
 from __future__ import annotations
