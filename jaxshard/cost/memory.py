@@ -341,8 +341,8 @@ def peak_buffers(graph, *args, **kwargs) -> list[tuple[int, int | str]]:
 
 
 class _Curve:
-    """`memory_estimate`'s account: the arguments' and results' bytes, each buffer's
-    bytes and life over the schedule, and the sum of the live ones at each time."""
+    """`memory_estimate`'s account: the arguments' and results' bytes, and each
+    buffer's bytes and life over the schedule."""
 
     def __init__(self, graph, dims, axis_sizes, out_dims=None, live=None, extra=()):
         live = live or liveness(graph)
@@ -359,7 +359,7 @@ class _Curve:
                 results += per_device_bytes(graph.shapes[v], graph.dtypes[v], d, axis_sizes)
         n_apps = len(graph.apps)
         self.live, self.extra = live, [x for x in extra if x[2]]
-        self.sizes = self.end = self.curve = None
+        self.sizes = self.end = None
         if not (len(live.intermediates) or self.extra) or not n_apps:
             self.estimate = MemoryEstimate(args, results, 0, -1)
             return
@@ -386,7 +386,7 @@ class _Curve:
             delta[t + 1] += excess
         curve = np.cumsum(delta)[:n_apps]
         peak = int(np.argmax(curve))
-        self.sizes, self.end, self.curve = sizes, end, curve
+        self.sizes, self.end = sizes, end
         self.estimate = MemoryEstimate(args, results, int(curve[peak]), peak)
 
     def at_peak(self) -> list[tuple[int, int | str]]:

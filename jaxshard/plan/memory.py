@@ -94,18 +94,16 @@ class PlanMemory:
         g = self.graph
         name = g.names.get(v)
         if name is None:
+            name = f"%{v}"
             a = g.producers().get(v)
-            if a is None:  # a loop's result (its stacked residuals): named by the loop
-                a = next((b for b in self._uses[v] if g.apps[b].kind is AppKind.LINK), None)
-                a = None if a is None else g.apps[a]
-                made = (
-                    ""
-                    if a is None
-                    else f" = {a.eqn.primitive.name} at {source_line(a.eqn, a.where)}"
+            if a is not None:
+                name += f" = {g.apps[a].describe()}"
+            else:  # a loop's result (its stacked residuals): named by the loop
+                link = next(
+                    (g.apps[b] for b in self._uses[v] if g.apps[b].kind is AppKind.LINK), None
                 )
-            else:
-                made = f" = {g.apps[a].describe()}"
-            name = f"%{v}{made}"
+                if link is not None:
+                    name += f" = {link.eqn.primitive.name} at {source_line(link.eqn, link.where)}"
         return f"{name} {tuple(g.shapes[v])} {dtype_name(g.dtypes[v])} {to_spec(self.dims[v])}"
 
     def moved_copies(
