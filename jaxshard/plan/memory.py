@@ -30,7 +30,7 @@ from jaxshard.cost import (
     transposed_operands,
     xla_scope,
 )
-from jaxshard.graph import AppKind, source_line, view_dims
+from jaxshard.graph import AppKind, slices_stack, source_line, view_dims
 from jaxshard.lattice import to_spec
 from jaxshard.plan.apps import dead_apps
 
@@ -112,7 +112,9 @@ class PlanMemory:
         """The buffers no value holds: operands moved for their use (a parameter
         gathered from its storage layout), alive from the use that moves it to the last
         later contraction in the same XLA computation that reads the same copy (XLA
-        merges those collectives, `_move_operand`), and the working buffers of results
+        merges those collectives, `_move_operand`; a stack stored split along its layers
+        is gathered whole for each loop that slices it, as early as it exists, and held
+        to the loop's last iteration), and the working buffers of results
         computed in a larger layout (a gradient summed whole, then reduce-scattered) or
         gathered to one (an optimizer update gathered to its parameter's layout,
         `_gathered_together`), and, where XLA all-reduces apart from the operand
@@ -178,10 +180,33 @@ class PlanMemory:
             size = per_device_bytes(g.shapes[r.vid], g.dtypes[r.vid], r.dst, self.axis_sizes)
             key = (r.vid, r.dst, xla_scope(g.apps[r.app].where))
             what = f"{self._named(r.vid)} moved to {to_spec(r.dst)} for {g.apps[r.app].describe()}"
-            copies.append((sched.hoisted(r.app, r.vid), int(max(t, last.get(key, t))), size, what))
+            first, end = sched.hoisted(r.app, r.vid), int(max(t, last.get(key, t)))
+            loop = self._loop_of(r.app, sched) if slices_stack(g, r.app) else None
+            if loop is not None:
+                # a stack gathered whole for its loop (stored split along its layers):
+                # the loop reads it, one slice per iteration, until its last iteration,
+                # and XLA gathers it as early as the stack exists, before the loops
+                # before this one
+                end = max(end, loop[1])
+                if sched.seg[r.vid] < loop[0]:
+                    first = min(first, max(0, int(at[sched.loop_starts[sched.seg[r.vid]]]) - 1))
+            copies.append((first, end, size, what))
         for group in applied.values():
             copies += self._gathered_together(group)
         return copies
+
+    def _loop_of(self, link: int, sched) -> tuple[int, int] | None:
+        """``(k, last time)`` of the top-level loop whose body ``link`` hands a stack's
+        slices to (the ``k``-th, `Schedule.loop_starts`), or None."""
+        inside = [b for b in self._uses[self.graph.apps[link].results[0]] if not sched.top[b]]
+        if not inside or not sched.loop_starts:
+            return None
+        k = bisect.bisect_right(sched.loop_starts, min(inside)) - 1
+        if k < 0:
+            return None
+        stop = sched.loop_starts[k + 1] if k + 1 < len(sched.loop_starts) else len(sched.top)
+        body = [b for b in range(sched.loop_starts[k], stop) if not sched.top[b]]
+        return k, int(max(sched.at[b] for b in body))
 
     @functools.cached_property
     def _uses(self) -> list[list[int]]:
