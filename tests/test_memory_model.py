@@ -269,9 +269,10 @@ def test_work_moved_before_a_loop_frees_its_buffers_as_it_goes(line):
 
 
 def _scanned_tanh_blocks(layer_axis, remat=True, layers=4):
-    """A data-parallel loss over ``layers`` stacked weights whose layer axis is ``layer_axis``
-    (1: stored as ``(d_in, layers, d_out)``, MaxText's ``param_scan_axis``), moved first
-    for the scan; each block rematerialized in the backward pass when ``remat``."""
+    """A data-parallel loss over two weights stacked ``layers`` deep whose layer axis is
+    ``layer_axis`` (1: stored as ``(d_in, layers, d_out)``, MaxText's ``param_scan_axis``),
+    moved first for the scan; each block rematerialized in the backward pass when
+    ``remat``."""
 
     def loss(p, x):
         w1, w2 = (jnp.moveaxis(p[k], layer_axis, 0) for k in ("w1", "w2"))
