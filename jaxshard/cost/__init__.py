@@ -54,6 +54,7 @@ from jaxshard.cost.schedule import (  # noqa: F401
     bitcasts,
     flow,
     liveness,
+    loop_ends,
     reads_of,
     schedule,
     xla_scope,

@@ -343,6 +343,35 @@ def liveness(
     return Liveness(owner, start, end, kept, stacked, sched, span=spans, results_from=results_from)
 
 
+def loop_bodies(sched: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The applications inside the top-level loops, the loop each belongs to (its index
+    in `Schedule.loop_starts`), and each loop's last application (-1 for none).
+
+    Example:
+        >>> s = Schedule(np.arange(6), np.zeros(1, int), (1, 4), np.array([1, 0, 0, 1, 0, 1], bool))
+        >>> [x.tolist() for x in loop_bodies(s)]
+        [[1, 2, 4], [0, 0, 1], [2, 4]]
+    """
+    inside = np.flatnonzero(~sched.top)
+    loop = np.searchsorted(np.array(sched.loop_starts), inside, side="right") - 1
+    last = np.full(len(sched.loop_starts), -1, dtype=np.int64)
+    np.maximum.at(last, loop, inside)
+    return inside, loop, last
+
+
+def loop_ends(sched: Schedule, last: np.ndarray | None = None) -> np.ndarray:
+    """Each top-level loop's last time (``last``: `loop_bodies`' last applications,
+    when already known).
+
+    Example:
+        >>> s = Schedule(np.arange(6), np.zeros(1, int), (1, 4), np.array([1, 0, 0, 1, 0, 1], bool))
+        >>> loop_ends(s).tolist()
+        [2, 4]
+    """
+    last = loop_bodies(sched)[2] if last is None else last
+    return sched.at[np.maximum(last, 0)]
+
+
 def _hold_loop_consts(graph, sched: Schedule, owner, made, skip, end: np.ndarray) -> None:
     """A value a loop's body reads but does not make (a scan's consts: a mask, a rotary
     table JAX's partial evaluation computed before the loop) is read again by every
@@ -353,12 +382,9 @@ def _hold_loop_consts(graph, sched: Schedule, owner, made, skip, end: np.ndarray
     top, starts = sched.top, sched.loop_starts
     if not starts:
         return
-    inside = np.flatnonzero(~top)
-    loop = np.searchsorted(np.array(starts), inside, side="right") - 1
-    last = np.full(len(starts), -1, dtype=np.int64)
-    np.maximum.at(last, loop, inside)
+    inside, loop, last = loop_bodies(sched)
     first = np.array(starts, dtype=np.int64)
-    held_to = sched.at[np.maximum(last, 0)]  # each loop's last time
+    held_to = loop_ends(sched, last)
     for a, k in zip(inside.tolist(), loop.tolist()):
         app = graph.apps[a]
         if a in skip or app.kind is not AppKind.EQN:

@@ -21,6 +21,7 @@ from jaxshard.cost import (
     dtype_name,
     fused_liveness,
     liveness,
+    loop_ends,
     memory_estimate,
     peak_buffers,
     per_device_bytes,
@@ -136,6 +137,7 @@ class PlanMemory:
             key = (vid, dst, xla_scope(g.apps[a].where))
             last[key] = max(last.get(key, at[a]), at[a])
         copies = []
+        ends = None  # each loop's last time, made when a stack is gathered for its loop
         uses = producers = None  # made when a gathered result needs its readers
         reduced = self._reduction_times(at) if reduced is None else reduced
         apart = not reduces_in_place(self.mesh)
@@ -181,32 +183,27 @@ class PlanMemory:
             key = (r.vid, r.dst, xla_scope(g.apps[r.app].where))
             what = f"{self._named(r.vid)} moved to {to_spec(r.dst)} for {g.apps[r.app].describe()}"
             first, end = sched.hoisted(r.app, r.vid), int(max(t, last.get(key, t)))
-            loop = self._loop_of(r.app, sched) if slices_stack(g, r.app) else None
-            if loop is not None:
+            k = self._loop_of(r.app, sched) if slices_stack(g, r.app) else None
+            if k is not None:
                 # a stack gathered whole for its loop (stored split along its layers):
                 # the loop reads it, one slice per iteration, until its last iteration,
                 # and XLA gathers it as early as the stack exists, before the loops
                 # before this one
-                end = max(end, loop[1])
-                if sched.seg[r.vid] < loop[0]:
-                    first = min(first, max(0, int(at[sched.loop_starts[sched.seg[r.vid]]]) - 1))
+                ends = ends if ends is not None else loop_ends(sched)
+                end = max(end, int(ends[k]))
+                if sched.seg[r.vid] < k:
+                    first = min(first, max(0, sched.loop_starts[sched.seg[r.vid]] - 1))
             copies.append((first, end, size, what))
         for group in applied.values():
             copies += self._gathered_together(group)
         return copies
 
-    def _loop_of(self, link: int, sched) -> tuple[int, int] | None:
-        """``(k, last time)`` of the top-level loop whose body ``link`` hands a stack's
-        slices to (the ``k``-th, `Schedule.loop_starts`), or None."""
+    def _loop_of(self, link: int, sched) -> int | None:
+        """The top-level loop whose body ``link`` hands a stack's slices to (its index in
+        `Schedule.loop_starts`), or None."""
         inside = [b for b in self._uses[self.graph.apps[link].results[0]] if not sched.top[b]]
-        if not inside or not sched.loop_starts:
-            return None
-        k = bisect.bisect_right(sched.loop_starts, min(inside)) - 1
-        if k < 0:
-            return None
-        stop = sched.loop_starts[k + 1] if k + 1 < len(sched.loop_starts) else len(sched.top)
-        body = [b for b in range(sched.loop_starts[k], stop) if not sched.top[b]]
-        return k, int(max(sched.at[b] for b in body))
+        k = bisect.bisect_right(sched.loop_starts, min(inside, default=-1)) - 1
+        return k if k >= 0 else None
 
     @functools.cached_property
     def _uses(self) -> list[list[int]]:
