@@ -16,11 +16,10 @@ import functools
 import re
 
 import jax
-import jax.numpy as jnp
 import models
 import optax
 import pytest
-from helpers import assert_leaves_match, assert_steps_match
+from helpers import assert_leaves_match, assert_steps_match, maxtext_like
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -124,59 +123,13 @@ def test_fsdp_weight_is_stored_sharded_and_gathered_at_use(mesh, model):
     assert_steps_match(sharded, reference, params, opt_state, batch)
 
 
-def _maxtext_like(layer_second: bool):
-    """A 4-layer scanned step in MaxText's layouts: each layer's weights stored over the
-    batch's axis on their embedding dim and over "model" on their hidden dim, the
-    activations' embedding dim over "model". With ``layer_second`` (MaxText's
-    ``param_scan_axis=1``) the weights are stacked with their layer dim second and moved
-    to the front for the loop, the optimizer clips by the global norm before AdamW, and
-    the step returns the gradients' norm too. Returns ``(step, args, hints)``."""
-    layers, batch, seq, embed, hidden = 4, 8, 16, 64, 128
-    act = P("data", None, "model")
-
-    def loss(p, x):
-        def body(h, w):
-            h = jax.lax.with_sharding_constraint(h, act)
-            u = jax.lax.with_sharding_constraint(jnp.tanh(h @ w["w1"]), act)
-            return jax.lax.with_sharding_constraint(h + u @ w["w2"], act), None
-
-        if layer_second:
-            p = jax.tree.map(lambda w: jnp.moveaxis(w, 1, 0), p)
-        return jnp.mean(jax.lax.scan(body, x, p)[0] ** 2)
-
-    adamw = optax.adamw(1e-3)
-    opt = optax.chain(optax.clip_by_global_norm(1.0), adamw) if layer_second else adamw
-
-    def step(p, s, x):
-        value, g = jax.value_and_grad(loss)(p, x)
-        u, s = opt.update(g, s, p)
-        new = optax.apply_updates(p, u)
-        return (new, s, value, optax.tree.norm(g)) if layer_second else (new, s, value)
-
-    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    w1, w2 = (embed, layers, hidden), (hidden, layers, embed)
-    if not layer_second:
-        w1, w2 = (layers, embed, hidden), (layers, hidden, embed)
-    params = {
-        "w1": jax.random.normal(k1, w1) / embed**0.5,
-        "w2": jax.random.normal(k2, w2) / hidden**0.5,
-    }
-    x = jax.random.normal(k3, (batch, seq, embed))
-    if layer_second:
-        hints = {r".*w1": P("data", None, "model"), r".*w2": P("model", None, "data")}
-    else:
-        hints = {r".*w1": P(None, "data", "model"), r".*w2": P(None, "model", "data")}
-    hints["x"] = act
-    return step, (params, opt.init(params), x), hints
-
-
 def test_a_scanned_weights_gradient_is_summed_into_its_shards(mesh):
-    """MaxText's layouts (`_maxtext_like`): the gradient contraction meets the
+    """MaxText's layouts (`maxtext_like`): the gradient contraction meets the
     activations' layout first; it is still summed straight into the weight's shards (a
     reduce-scatter per layer, not an all-reduce and an all-to-all), the loop carries one
     shard of each layer's gradient, and the memory stays within Shardy alone's. AdamW
     steps match the unsharded ones."""
-    step, args, hints = _maxtext_like(layer_second=False)
+    step, args, hints = maxtext_like(layer_second=False)
     sharded = jaxshard.auto_shard(mesh, hints)(step)
     plan = sharded.plan(*args)
     grads = [r for r in plan.reshards if r.partial and "body" in r.where]
@@ -190,12 +143,12 @@ def test_a_scanned_weights_gradient_is_summed_into_its_shards(mesh):
 
 def test_weights_stored_layer_second_stay_stored_and_norms_sum_their_shards(mesh):
     """MaxText's storage with the layer dim second, moved to the front for the loop,
-    global-norm clipping and the gradients' norm as a metric (`_maxtext_like`). The
+    global-norm clipping and the gradients' norm as a metric (`maxtext_like`). The
     moved stack stays stored (each layer gathered inside the loop, not the whole stack
     before it) and every norm squares and sums the shards it has (no gradient moved to
     be squared); the memory stays within Shardy alone's and the steps match the
     unsharded ones."""
-    step, args, hints = _maxtext_like(layer_second=True)
+    step, args, hints = maxtext_like(layer_second=True)
     sharded = jaxshard.auto_shard(mesh, hints)(step)
     plan = sharded.plan(*args)
     squares = [r for r in plan.reshards if r.where.startswith(("square", "integer_pow"))]

@@ -102,6 +102,8 @@ def plan_from_graph(
     axes alone split; True: a storage layout as `split_storage` reads it; False: all on
     the computation); they are not tried
     (the search's hints name one leaf each: trying them would re-plan once per leaf).
+    Each pinned weight's gradient may then be computed where the weight is stored
+    (`_gradients_where_stored`), where that moves fewer bytes or as many in less memory.
     ``chosen``: full specs for arguments by their index among the arguments (the
     search's layouts, `hint_pins`), pinned beside the hints.
 
@@ -153,8 +155,9 @@ def plan_from_graph(
         trial = decide(traced, graph, prop, mesh)
         if trial.predicted_bytes < plan.predicted_bytes:
             plan, compute, storage = trial, trial_compute, trial_storage
-    if decided:  # the search's layouts: its model priced them as propagation lays them out
-        return plan
+    # the search's layouts too: its model prices a weight stored apart (FSDP) with its
+    # gradient in the computation's layout, which for a scanned stack holds every layer's
+    # gradient unsplit over the storage axes until the loop ends
     return _gradients_where_stored(traced, graph, mesh, plan, compute, storage, cost_model, free)
 
 
