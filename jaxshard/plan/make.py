@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import operator
 from collections.abc import Callable, Mapping
 
 from jax.sharding import Mesh, PartitionSpec
@@ -103,7 +104,7 @@ def plan_from_graph(
     the computation); they are not tried
     (the search's hints name one leaf each: trying them would re-plan once per leaf).
     Each pinned weight's gradient may then be computed where the weight is stored
-    (`_gradients_where_stored`), where that moves fewer bytes or as many in less memory.
+    (`_gradients_where_stored`), where that raises neither bytes nor memory.
     ``chosen``: full specs for arguments by their index among the arguments (the
     search's layouts, `hint_pins`), pinned beside the hints.
 
@@ -158,7 +159,9 @@ def plan_from_graph(
     # the search's layouts too: its model prices a weight stored apart (FSDP) with its
     # gradient in the computation's layout, which for a scanned stack holds every layer's
     # gradient unsplit over the storage axes until the loop ends
-    return _gradients_where_stored(traced, graph, mesh, plan, compute, storage, cost_model, free)
+    return _gradients_where_stored(
+        traced, graph, mesh, plan, compute, storage, cost_model, free, searched=bool(decided)
+    )
 
 
 def _columns_or_rows(
@@ -214,9 +217,12 @@ def _gradients_where_stored(
     storage: dict[int, Pin],
     cost_model: CostModel | None,
     free: bool,
+    searched: bool = False,
 ) -> Plan:
     """``plan``, or the plan that computes each pinned weight's gradient in the weight's
-    layout, where that moves fewer bytes (or as many, in less memory).
+    layout, where that moves fewer bytes (or as many, in less memory); for the search's
+    layouts (``searched``), only where neither rises: the search traded bytes against
+    memory under its budget already.
 
     Propagation reaches a gradient's contraction from the activations in a round or two,
     and from the weight's layout only back through the optimizer's whole update (and, for
@@ -252,6 +258,8 @@ def _gradients_where_stored(
     trial = decide(traced, graph, prop, mesh)
     before = (plan.predicted_bytes, plan.estimated_memory.total)
     after = (trial.predicted_bytes, trial.estimated_memory.total)
+    if searched:  # the search weighed bytes against memory: only a gain in both, or one
+        return trial if after != before and all(map(operator.le, after, before)) else plan
     return trial if after < before else plan
 
 
