@@ -5,6 +5,8 @@ In float32, the loss matches to rtol 1e-5 and each gradient or updated-parameter
 small leaf is not judged by a large one's error. Compare gradients, or parameters after
 SGD steps, rather than Adam updates: Adam divides by the gradient's own scale, so a
 gradient 4x too large (a missing or doubled reduction) gives the same Adam update.
+
+Also one step shared by test modules: `maxtext_like`, a scanned step in MaxText's layouts.
 """
 
 import jax

@@ -258,7 +258,7 @@ def _gradients_where_stored(
     trial = decide(traced, graph, prop, mesh)
     before = (plan.predicted_bytes, plan.estimated_memory.total)
     after = (trial.predicted_bytes, trial.estimated_memory.total)
-    if searched:  # the search weighed bytes against memory: only a gain in both, or one
+    if searched:  # the search weighed bytes against memory: kept where neither rises
         return trial if after != before and all(map(operator.le, after, before)) else plan
     return trial if after < before else plan
 
