@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import operator
 from collections.abc import Callable, Mapping
 
 from jax.sharding import Mesh, PartitionSpec
@@ -259,7 +258,8 @@ def _gradients_where_stored(
     before = (plan.predicted_bytes, plan.estimated_memory.total)
     after = (trial.predicted_bytes, trial.estimated_memory.total)
     if searched:  # the search weighed bytes against memory: kept where neither rises
-        return trial if after != before and all(map(operator.le, after, before)) else plan
+        better = after != before and after[0] <= before[0] and after[1] <= before[1]
+        return trial if better else plan
     return trial if after < before else plan
 
 
