@@ -262,7 +262,7 @@ def elementwise_reach(
                 continue
             if app.kind is AppKind.LINK and not links:
                 continue
-            if app.kind is AppKind.EQN and not all(f.plain for f in app.rule.factors):
+            if app.kind is AppKind.EQN and not app.rule.plain:
                 continue
             for r in app.results:
                 if r not in seen and graph.shapes[r] == shape:

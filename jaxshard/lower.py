@@ -202,7 +202,7 @@ def pinned_values(plan: Plan) -> set[int]:
     g = plan.graph
     pinned = set(g.pins)
     for app in g.apps:
-        if app.kind is AppKind.EQN and not all(f.plain for f in app.rule.factors):
+        if app.kind is AppKind.EQN and not app.rule.plain:
             pinned.update(app.results)
     for r in plan.reshards:
         pinned.add(r.vid)

@@ -158,6 +158,18 @@ class Rule:
     operands: tuple[Dims, ...]
     results: tuple[Dims, ...]
 
+    @functools.cached_property
+    def plain(self) -> bool:
+        """Every factor plain (`Factor.plain`): elementwise, or a pure rearrangement.
+        Cached: planning asks it of every equation in several passes, and a rule is
+        shared by the repeated layers that build it.
+
+        Example:
+            >>> Rule((Factor("m", 4),), operands=(((0,),),), results=(((0,),),)).plain
+            True
+        """
+        return all(f.plain for f in self.factors)
+
     def __str__(self) -> str:
         def dims(ds: Dims) -> str:
             return (

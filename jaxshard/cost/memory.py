@@ -97,7 +97,7 @@ def fused_liveness(
             shape = graph.shapes[app.results[0]] if app.results else None
             hit = elementwise[a] = (
                 app.kind is AppKind.EQN
-                and all(f.plain for f in app.rule.factors)
+                and app.rule.plain
                 and all(graph.shapes[u] in (shape, ()) for u in app.operands)
             )
         return hit
@@ -209,7 +209,7 @@ def _row_broadcast(graph, app) -> bool:
         >>> [a.eqn.primitive.name for a in g.apps if _row_broadcast(g, a)]
         ['sub']
     """
-    if app.kind is not AppKind.EQN or not app.results or not all(f.plain for f in app.rule.factors):
+    if app.kind is not AppKind.EQN or not app.results or not app.rule.plain:
         return False
     shape = graph.shapes[app.results[0]]
     return all(

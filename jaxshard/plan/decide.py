@@ -107,9 +107,7 @@ def sum_where_it_lies(graph: Graph, prop: Propagator) -> None:
                 sources.add(v)
                 continue
             arrays = {o for o in step.operands if shapes[o] != ()}
-            if not all(f.plain for f in step.rule.factors) or any(
-                shapes[o] != shapes[v] for o in arrays
-            ):
+            if not step.rule.plain or any(shapes[o] != shapes[v] for o in arrays):
                 sources.add(v)
                 continue
             members.append((made, v))  # made from scalars alone, it takes any layout

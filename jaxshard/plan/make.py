@@ -303,7 +303,7 @@ def gradient_contractions(graph: Graph, dims, args: set[int]) -> dict[int, tuple
                 work.append((app.operands[0], moved_back(moved, layout)))
             elif contracts(app):
                 found.setdefault(v, layout)
-            elif all(f.plain for f in app.rule.factors):
+            elif app.rule.plain:
                 work.extend((u, layout) for u in app.operands if graph.shapes[u] == graph.shapes[v])
     return found
 

@@ -270,7 +270,7 @@ class PlanMemory:
             if u not in app.operands or app.kind is AppKind.TIE:
                 continue
             moves = view_dims(app) is not None
-            if not moves and not all(f.plain for f in app.rule.factors):
+            if not moves and not app.rule.plain:
                 continue
             found += [r for r in app.results if moves or g.shapes[r] == g.shapes[u]]
         return found

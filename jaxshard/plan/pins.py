@@ -285,7 +285,7 @@ def store_updates(
             if a is None or xla_scope(graph.apps[a].where):
                 continue  # made inside a loop or a branch: left as propagated
             app = graph.apps[a]
-            if not all(f.plain for f in app.rule.factors):
+            if not app.rule.plain:
                 continue  # the gradient: sliced where the update reads it
             _store(layouts[v], layout, f"{pin.source}, its update")
             work.extend(zip(app.operands, _operand_layouts(app, v, layout)))

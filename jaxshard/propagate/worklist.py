@@ -29,6 +29,19 @@ from jaxshard.propagate.vocabulary import (
     _compile,
 )
 
+_new_state, _PROPAGATED = tuple.__new__, OriginKind.PROPAGATED
+
+
+def _held(row, axes) -> bool:
+    """Whether a dim of ``row`` already holds one of ``axes``."""
+    for s in row:
+        held = s.axes
+        if held:
+            for ax in axes:
+                if ax in held:
+                    return True
+    return False
+
 
 class Propagator(Projection, ConflictPolicy):
     """Runs propagation over a Graph; see the module doc.
@@ -291,7 +304,7 @@ class Propagator(Projection, ConflictPolicy):
             while v not in self.hinted and v in producer and v not in seen:
                 seen.add(v)
                 src = apps[producer[v]]
-                if len(src.operands) != 1 or not all(f.plain for f in src.rule.factors):
+                if len(src.operands) != 1 or not src.rule.plain:
                     break
                 v = src.operands[0]
             if v in self.hinted:
@@ -306,9 +319,7 @@ class Propagator(Projection, ConflictPolicy):
             waits[v] = 1 + arg
             for b in self.uses[v]:
                 app = apps[b]
-                passes = self._is_link[b] or (
-                    len(app.operands) == 1 and all(f.plain for f in app.rule.factors)
-                )
+                passes = self._is_link[b] or (len(app.operands) == 1 and app.rule.plain)
                 if passes and app.operands[0] == v:
                     todo.extend((r, arg) for r in app.results if r not in self.hinted)
 
@@ -329,7 +340,7 @@ class Propagator(Projection, ConflictPolicy):
                 axes = new.axes
             else:
                 new = None
-            if axes and any(ax in s.axes for s in row if s.axes for ax in axes):
+            if axes and _held(row, axes):
                 continue  # an axis may shard one dim only; the final pass records a reshard
             if new is None:
                 new = self._propagated(first)
@@ -356,14 +367,10 @@ class Propagator(Projection, ConflictPolicy):
         """The state a proposal writes: its axes, propagated through its application
         from its source dim, with the source's rank."""
         axes, app, src, src_dim, _ = proposal
-        return DimState(
-            axes,
-            OriginKind.PROPAGATED,
-            app=app,
-            source=src,
-            source_dim=src_dim,
-            rank=self.state.layouts[src][src_dim].rank if src >= 0 else DEFAULT_RANK,
-        )
+        rank = self.state.layouts[src][src_dim].rank if src >= 0 else DEFAULT_RANK
+        # positional, through tuple.__new__: one is made per propagated dim, and a named
+        # tuple's keyword constructor adds a Python call and keyword matching to each
+        return _new_state(DimState, (axes, _PROPAGATED, "", app, src, src_dim, rank))
 
     def _visit(
         self, a: int, proposals: dict[tuple[int, int], list[Proposal]], settled: bool = False
