@@ -29,8 +29,6 @@ from jaxshard.propagate.vocabulary import (
     _compile,
 )
 
-_new_state, _PROPAGATED = tuple.__new__, OriginKind.PROPAGATED
-
 
 def _held(row, axes) -> bool:
     """Whether a dim of ``row`` already holds one of ``axes``."""
@@ -368,9 +366,8 @@ class Propagator(Projection, ConflictPolicy):
         from its source dim, with the source's rank."""
         axes, app, src, src_dim, _ = proposal
         rank = self.state.layouts[src][src_dim].rank if src >= 0 else DEFAULT_RANK
-        # positional, through tuple.__new__: one is made per propagated dim, and a named
-        # tuple's keyword constructor adds a Python call and keyword matching to each
-        return _new_state(DimState, (axes, _PROPAGATED, "", app, src, src_dim, rank))
+        # positional: one is made per propagated dim, and keywords add matching to each
+        return DimState(axes, OriginKind.PROPAGATED, "", app, src, src_dim, rank)
 
     def _visit(
         self, a: int, proposals: dict[tuple[int, int], list[Proposal]], settled: bool = False
