@@ -7,6 +7,7 @@ scalar sum (a norm) reads what it sums where it lies (`sum_where_it_lies`), and 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 
 from jax.sharding import Mesh
 
@@ -173,10 +174,11 @@ class _Pricing:
     part of the plan."""
 
     def __init__(
-        self, prop: Propagator, live, runs: list[int], apps: list[int], reduce_scatter: bool
-    ):
+        self, prop: Propagator, dead: set[int], runs: list[int], apps: list[int],
+        reduce_scatter: bool,
+    ):  # fmt: skip
         g = prop.graph
-        self.reduce_scatter = reduce_scatter
+        self.reduce_scatter, self._dead = reduce_scatter, dead
         final = prop.fork()
         settle_open(final)
         self.final, self.runs, self.apps = final, runs, set(apps)
@@ -185,12 +187,19 @@ class _Pricing:
         # per application (cost, gathered bytes), priced when first needed
         self.costs: dict[int, tuple[float, float]] = {}
         self._cost: float | None = None
-        tied = dict((g.out_vids[o], g.in_vids[i]) for i, o in g.ties)
-        sources = [tied.get(v, v) for v in g.out_vids]
-        self.memory = MemoryCurve(g, final.state.dims, prop.axis_sizes, sources, live)
+        self._tied = dict((g.out_vids[o], g.in_vids[i]) for i, o in g.ties)
         # a new value returned in its argument's layout (`Plan._returned`), priced as a
         # move at the end of the step: result -> argument
-        self.returned = {r: i for r, i in tied.items() if r not in prop.hinted and r != i}
+        self.returned = {r: i for r, i in self._tied.items() if r not in prop.hinted and r != i}
+
+    @cached_property
+    def memory(self) -> MemoryCurve:
+        """The memory estimate, made when a change first needs it (the buffers' lifetimes
+        cost as much as a propagation; a change that moves too many bytes needs none)."""
+        g = self.final.graph
+        sources = [self._tied.get(v, v) for v in g.out_vids]
+        live = liveness(g, self._dead)
+        return MemoryCurve(g, self.final.state.dims, self.final.axis_sizes, sources, live)
 
     @property
     def cost(self) -> float:
@@ -213,9 +222,24 @@ class _Pricing:
             return _return_cost(self.final, a[1], self.returned[a[1]], self.reduce_scatter)
         return _app_cost(self.final, a, self.runs[a], self.reduce_scatter)
 
-    def price(self, changed: dict[int, list[DimSharding]]) -> tuple[float, int, bool, dict]:
-        """``(extra collective cost, memory, moved, per-application costs)`` with the
-        values in ``changed`` laid out as given there."""
+    def affords(self, changed: dict[int, list[DimSharding]], spent: float, memory: int | None):
+        """``(extra collective cost, memory, per-application costs)`` with the values in
+        ``changed`` laid out as given there, when that is a split to keep: it gathers
+        nothing more than before, its extra cost with the ``spent`` of the splits kept
+        before stays within `COST_ALLOWANCE` of the plan's cost, and the memory is below
+        ``memory`` (None: this plan's). Else None. Memory is estimated last, only for a
+        change that passes the rest."""
+        extra, moved, costs = self.price(changed)
+        if moved or (spent + extra > 0 and spent + extra > COST_ALLOWANCE * self.cost):
+            return None
+        total = self.memory.total_with(changed)
+        if total >= (self.memory.total if memory is None else memory):
+            return None
+        return extra, total, costs
+
+    def price(self, changed: dict[int, list[DimSharding]]) -> tuple[float, bool, dict]:
+        """``(extra collective cost, moved, per-application costs)`` with the values in
+        ``changed`` laid out as given there."""
         layouts = self.final.state.layouts
         touched: set = {a for v in changed for a in self.final.uses[v] if a in self.apps}
         touched |= {
@@ -234,7 +258,7 @@ class _Pricing:
                 layouts[v] = row
         extra = sum(c[0] - before[a][0] for a, c in costs.items())
         moved = sum(c[1] - before[a][1] for a, c in costs.items()) > 0
-        return extra, self.memory.total_with(changed), moved, costs
+        return extra, moved, costs
 
     def unchanged(self) -> Propagator:
         """This plan's propagation, settled: valid until a change is kept."""
@@ -264,7 +288,8 @@ class _Pricing:
         self.cost  # noqa: B018 - the total before the change, then moved by the delta
         self._cost += sum(c[0] - self._app(a)[0] for a, c in costs.items())
         self.costs.update(costs)
-        self.memory.update(changed)
+        if "memory" in self.__dict__:  # else made from the layouts as they are now
+            self.memory.update(changed)
 
 
 def _with_axes(row: list[DimState], axes: Sequence[DimSharding]) -> list[DimState]:
@@ -373,11 +398,10 @@ def _split_for_memory(
     if not big:
         return [], None
     dead = dead_apps(graph)
-    live, runs = liveness(graph, dead), executions(graph)
     seen: dict = {}
     apps = [a for a, app in enumerate(graph.apps) if a not in dead and not duplicate_app(app, seen)]
-    base = _Pricing(prop, live, runs, apps, reduce_scatter)
-    spent, memory = 0.0, base.memory.total
+    base = _Pricing(prop, dead, executions(graph), apps, reduce_scatter)
+    spent, memory = 0.0, None  # the memory of the plan with the splits kept so far
     hinted = set(prop.hinted)  # the user's leaves keep their layout, open dims included
     kept, settled = [], None
     for vid in big:
@@ -386,33 +410,31 @@ def _split_for_memory(
         options = []
         for d, axis in _split_options(graph, dims, vid, sizes):
             pin = Pin(tuple((axis,) if i == d else None for i in range(len(dims[vid]))), "")
-            with prop.trying() as written:  # first priced as propagation leaves it
+            changed = None  # stays so if it would change a leaf the user pinned
+            with prop.trying(stop=hinted) as written:  # first priced as propagation leaves it
                 prop.pin(vid, pin, DEFAULT_RANK)
                 prop.run()
                 changed = {
                     v: [() if x is None else x for x in dims[v]]
                     for v in dict.fromkeys(v for v, *_ in written)
                 }
-            if not hinted.isdisjoint(changed):
-                continue  # it would change a leaf the user pinned
-            extra, total, moved, _ = base.price(changed)
-            if not moved and total < memory and spent + extra <= COST_ALLOWANCE * base.cost:
-                options.append((total, d, axis, pin))
+            priced = None if changed is None else base.affords(changed, spent, memory)
+            if priced is not None:
+                options.append((priced[1], d, axis, pin))
         best = None
         for _, _, _, pin in sorted(options):  # then as `decide` would settle it
             with prop.trying():
                 prop.pin(vid, pin, DEFAULT_RANK)
                 prop.run()
                 changed, final = base.settled_changes(prop)
-            if not hinted.isdisjoint(changed):
-                continue
-            extra, total, moved, costs = base.price(changed)
-            if not moved and total < memory and spent + extra <= COST_ALLOWANCE * base.cost:
-                best = (extra, total, pin, changed, costs, final)
+            priced = None if not hinted.isdisjoint(changed) else base.affords(changed, spent, memory)
+            if priced is not None:
+                best = (*priced, pin, changed, final)
                 break
         if best is None:
             continue
-        extra, total, pin, changed, costs, settled = best
+        extra, total, costs, pin, changed, settled = best
+        memory = base.memory.total if memory is None else memory
         shown = f"{extra:.0f} B" if prop.cost_model is None else f"{extra * 1e6:.2f} µs"
         pin = Pin(pin.dims, f"split to save memory: {human_bytes(memory - total)} less per "
                             f"device for {shown} more collectives per step")  # fmt: skip

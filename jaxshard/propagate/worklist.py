@@ -5,7 +5,7 @@ the dims still open, and undoable trials (`Propagator.trying`).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -39,6 +39,10 @@ def _held(row, axes) -> bool:
                 if ax in held:
                     return True
     return False
+
+
+class _Stopped(Exception):
+    """A trial's propagation wrote into a value that voids it (`Propagator.trying`)."""
 
 
 class Propagator(Projection, ConflictPolicy):
@@ -109,6 +113,10 @@ class Propagator(Projection, ConflictPolicy):
         self._waiting: set[int] = set()  # applications that proposed into them (`run`)
         self._fed_for: frozenset[int] | None = None  # the hinted values they were made for
         self._journal: list | None = None  # while `trying`: (value, dim, old state)
+        self._stop: Collection[int] = ()  # while `trying`: values whose write ends it
+        # `_feed` per set of hinted values: the current one and the one before (the
+        # trials of one decision pin the same value, then `trying` restores the hints)
+        self._feeds: dict[frozenset[int], tuple[bytearray, list[int]]] = {}
         self._queue: deque[int] = deque()
         self._queued = bytearray(len(graph.apps))
         axis_sizes = self.axis_sizes  # not self: a cycle would keep the whole state alive
@@ -140,7 +148,7 @@ class Propagator(Projection, ConflictPolicy):
         other._deferred = {k: list(v) for k, v in self._deferred.items()}
         other._waiting = set(self._waiting)
         other.swapped = dict(self.swapped)
-        other._journal = None  # a fork made inside `trying` writes into its own state only
+        other._journal, other._stop = None, ()  # a fork made inside `trying` writes into its own state only
         return other
 
     def adopt(self, fork: Propagator) -> None:
@@ -156,24 +164,31 @@ class Propagator(Projection, ConflictPolicy):
         self.__dict__.update(fork.__dict__)
 
     @contextmanager
-    def trying(self) -> Iterator[list[tuple[int, int, DimState]]]:
+    def trying(self, stop: Collection[int] = ()) -> Iterator[list[tuple[int, int, DimState]]]:
         """Pin and propagate a decision tentatively: every write inside the block is
         journaled (``(value, dim, old state)``, yielded) and undone on exit, with the
-        conflicts it recorded.
+        conflicts it recorded. Propagation that writes into a value in ``stop`` ends the
+        block there (the rest of it is skipped, the write is the journal's last entry):
+        for a trial that is void once it reaches one of them, whose propagation would
+        otherwise go on through the whole step.
 
         Example:
-            >>> with prop.trying() as written:  # doctest: +SKIP
+            >>> reached = None
+            >>> with prop.trying(stop=pinned) as written:  # doctest: +SKIP
             ...     prop.pin(vid, pin); prop.run()
             ...     reached = {v for v, *_ in written}
+            >>> reached is None  # it wrote into a value in ``pinned``  # doctest: +SKIP
         """
         journal: list = []
-        self._journal = journal
+        self._journal, self._stop = journal, stop
         conflicts, hinted, visits = dict(self.state.conflicts), set(self.hinted), self.state.visits
         fed = self._fed_for, self._fed, self._waits
         try:
             yield journal
+        except _Stopped:
+            pass
         finally:
-            self._journal = None
+            self._journal, self._stop = None, ()
             layouts = self.state.layouts
             for vid, d, old in reversed(journal):
                 layouts[vid][d] = old
@@ -292,6 +307,10 @@ class Propagator(Projection, ConflictPolicy):
         if self._fed_for == key:  # a fork, or the end of a trial, has the same hints
             return
         self._fed_for = key
+        known = self._feeds.get(key)
+        if known is not None:
+            self._fed, self._waits = known
+            return
         apps, producer = self.graph.apps, self._producer
         fed = self._fed = bytearray(len(self.graph.shapes))
         for a in self._links:
@@ -320,6 +339,9 @@ class Propagator(Projection, ConflictPolicy):
                 passes = self._is_link[b] or (len(app.operands) == 1 and app.rule.plain)
                 if passes and app.operands[0] == v:
                     todo.extend((r, arg) for r in app.results if r not in self.hinted)
+        if len(self._feeds) >= 2:
+            del self._feeds[next(iter(self._feeds))]
+        self._feeds[key] = fed, waits
 
     def _apply(self, proposals: dict[tuple[int, int], list[Proposal]]) -> None:
         """Write a round's proposals. A value that changed queues its applications again,
@@ -347,6 +369,8 @@ class Propagator(Projection, ConflictPolicy):
                     new = max([new, *found], key=lambda s: s.rank)
             if journal is not None:
                 journal.append((vid, d, row[d]))
+                if vid in self._stop:
+                    raise _Stopped  # `trying`: the trial is void, its journal undone
             row[d] = new
             if len(props) == 1:
                 skip = first_app if first_quiet else -1
