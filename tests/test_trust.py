@@ -78,6 +78,33 @@ def test_a_fork_inside_a_trial_keeps_its_writes_out_of_the_parents_journal():
     assert prop.state.dims[g.out_vids[0]] == (None, None)
 
 
+def test_a_trial_that_reaches_a_stop_value_ends_there_and_is_undone():
+    t = trace(lambda x, w: jnp.tanh(x @ w), (jnp.ones((8, 4)), jnp.ones((4, 16))), {})
+    sizes = {"data": 2, "model": 4}
+    g = build_graph(t, sizes)
+    prop = Propagator(g, sizes)
+    out, product = g.out_vids[0], g.producers()
+    matmul = g.apps[product[g.apps[product[out]].operands[0]]]
+    reached = None
+    with prop.trying(stop={out}) as written:
+        prop.pin(g.in_vids[0], Pin((("data",), None), "hint"))
+        prop.run()
+        reached = "the rest of the block"
+    assert reached is None  # the batch split reached the result: the block ended there
+    assert written[-1][0] == out and written[-1][1] == 0
+    assert all(prop.state.dims[v] == (None, None) for v in (*matmul.results, out))
+    assert prop.state.conflicts == {} and prop.hinted == set()
+    with prop.trying(stop={g.in_vids[1]}):  # the weight's dims stay open: it goes on
+        prop.pin(g.in_vids[0], Pin((("data",), None), "hint"))
+        prop.run()
+        assert prop.state.dims[out] == (("data",), None)
+        reached = "the rest of the block"
+    assert reached == "the rest of the block"
+    prop.pin(g.in_vids[0], Pin((("data",), None), "hint"))
+    prop.run()  # after a stopped trial, propagation runs as if it never happened
+    assert prop.state.dims[out] == (("data",), None)
+
+
 def _moe_step(opt=None):
     """Top-2 routing with einsum dispatch and combine over 4 experts."""
     e, d, f, b, s = 4, 16, 32, 8, 4

@@ -427,7 +427,9 @@ def _split_for_memory(
                 prop.pin(vid, pin, DEFAULT_RANK)
                 prop.run()
                 changed, final = base.settled_changes(prop)
-            priced = None if not hinted.isdisjoint(changed) else base.affords(changed, spent, memory)
+            if not hinted.isdisjoint(changed):
+                continue
+            priced = base.affords(changed, spent, memory)
             if priced is not None:
                 best = (*priced, pin, changed, final)
                 break

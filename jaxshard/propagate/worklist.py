@@ -148,7 +148,8 @@ class Propagator(Projection, ConflictPolicy):
         other._deferred = {k: list(v) for k, v in self._deferred.items()}
         other._waiting = set(self._waiting)
         other.swapped = dict(self.swapped)
-        other._journal, other._stop = None, ()  # a fork made inside `trying` writes into its own state only
+        # a fork made inside `trying` writes into its own state only
+        other._journal, other._stop = None, ()
         return other
 
     def adopt(self, fork: Propagator) -> None:
