@@ -104,9 +104,10 @@ def schedule(graph, ready: Mapping[int, int] | None = None) -> Schedule:
     loop_starts = tuple(first.values())
     top = np.array([key is None for key in loop_of], dtype=bool)
     edges = flow(graph)
-    seg = np.zeros(len(graph.shapes), dtype=np.int64)
+    # lists while filled (see `liveness`), arrays once made
+    seg = [0] * len(graph.shapes)
     for v, t in (ready or {}).items():  # as late as the loops that end before it
-        seg[v] = np.searchsorted(np.array(loop_starts), t, side="right")
+        seg[v] = int(np.searchsorted(np.array(loop_starts), t, side="right"))
     changed = True
     while changed:  # a call's links come after its body: repeat until nothing moves
         changed = False
@@ -115,23 +116,24 @@ def schedule(graph, ready: Mapping[int, int] | None = None) -> Schedule:
             if key is not None:  # inside a loop: its values, and its results, wait for it
                 k = order[key] + 1
             else:
-                k = max((int(seg[v]) for v in sources), default=0)
+                k = max((seg[v] for v in sources), default=0)
             for v in sinks:
                 if seg[v] < k:
                     seg[v] = k
                     changed = True
-    at = np.arange(n_apps, dtype=np.int64)
+    at = list(range(n_apps))
+    is_top = top.tolist()
     if loop_starts:
-        before = np.searchsorted(np.array(loop_starts), np.arange(n_apps), side="right")
+        before = np.searchsorted(np.array(loop_starts), np.arange(n_apps), side="right").tolist()
         for a, sources, _ in edges:
-            if top[a]:
-                k = max((int(seg[v]) for v in sources), default=0)
+            if is_top[a]:
+                k = max((seg[v] for v in sources), default=0)
                 if k < before[a]:
                     at[a] = max(0, loop_starts[k] - 1)
     for a, sources, _ in edges if ready else ():
-        if top[a]:
-            at[a] = max([int(at[a]), *(ready[v] for v in sources if v in ready)])
-    return Schedule(at, seg, loop_starts, top)
+        if is_top[a]:
+            at[a] = max([at[a], *(ready[v] for v in sources if v in ready)])
+    return Schedule(np.array(at, dtype=np.int64), np.array(seg, dtype=np.int64), loop_starts, top)
 
 
 def flow(graph) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
@@ -281,12 +283,13 @@ def liveness(
             parent[rr] = ro
     owner = _common_subexpressions(graph, [find_root(parent, v) for v in range(n)], skip)
     big = len(graph.apps) + 1
-    start = np.full(n, big, dtype=np.int64)
-    end = np.full(n, -1, dtype=np.int64)
+    # lists while filled: the loop indexes them once per operand and result, and a NumPy
+    # array indexed by a Python int makes a NumPy scalar each time (3x slower)
+    start, end = [big] * n, [-1] * n
     stacked: dict[int, int] = {}
     link_body = getattr(graph, "link_body", {})
     sched = schedule(graph, ready)
-    at = sched.at
+    at = sched.at.tolist()
     span: dict[int, list[int]] = {}
     for a, app in enumerate(graph.apps):
         if a in skip or app.kind is AppKind.TIE:
@@ -297,7 +300,7 @@ def liveness(
                 span[owner[v]] = [a, a]
             else:
                 hit[1] = a
-        t = int(at[a])
+        t = at[a]
         if app.kind is AppKind.LINK:
             for v, r in zip(app.operands, app.results):
                 if len(graph.shapes[v]) == len(graph.shapes[r]) + 1:
@@ -306,7 +309,7 @@ def liveness(
             # a stacked result (the residuals a scan saves for the backward pass, a
             # scanned gradient) is allocated when the loop starts and filled as it runs,
             # and a stacked input the loop reads is alive until it ends
-            first = int(at[link_body.get(a, a)])
+            first = at[link_body.get(a, a)]
             for v in app.operands:
                 o = owner[v]
                 if start[o] == big:
@@ -322,6 +325,7 @@ def liveness(
             o = owner[v]
             if t > end[o]:
                 end[o] = t
+    start, end = np.array(start, dtype=np.int64), np.array(end, dtype=np.int64)
     _hold_loop_consts(graph, sched, owner, made, skip, end)
     boundary = {owner[v] for v in (*graph.in_vids, *graph.out_vids)}
     produced = start < big
@@ -339,7 +343,8 @@ def liveness(
     start = np.where(keep, start, -1)
     end = np.where(keep, end, -1)
     kept = np.flatnonzero(keep)
-    spans = {int(o): (span[o][0], span[o][1]) for o in kept if start[o] == end[o]}
+    same = (start == end).tolist()
+    spans = {o: (span[o][0], span[o][1]) for o in kept.tolist() if same[o]}
     return Liveness(owner, start, end, kept, stacked, sched, span=spans, results_from=results_from)
 
 
