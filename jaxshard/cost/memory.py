@@ -60,8 +60,8 @@ def fused_liveness(
 ) -> Liveness:
     """``live`` less the buffers XLA's fusion never makes: a value an elementwise
     equation computes (operands broadcast over size-1 dims included, `_row_broadcast`)
-    and only elementwise equations or reductions (`REDUCTIONS`) read is recomputed inside
-    its readers' fusions, not stored (the backward pass reads such residuals of the
+    and only elementwise equations or reductions (`REDUCTIONS`) read (a broadcast: or a
+    broadcast fused in turn) is recomputed inside its readers' fusions, not stored (the backward pass reads such residuals of the
     forward's elementwise chains, say a layer norm's centred input, from their
     operands), unless an `EXPENSIVE` equation makes it for several readers (silu's
     sigmoid, read by the forward's product and the backward's derivative). With
@@ -130,17 +130,35 @@ def fused_liveness(
         return len(set(readers.get(v, ()))) < 2 or eqn.primitive.name not in EXPENSIVE
 
     # a reduction reads its elementwise producers inside its own fusion (XLA's input
-    # fusion): the squares of a gradient's norm are summed as they are computed
-    def absorbs(r: int) -> bool:
-        return is_elementwise(r) or graph.apps[r].eqn.primitive.name in REDUCTIONS
+    # fusion): the squares of a gradient's norm are summed as they are computed; and a
+    # broadcast that is fused itself takes the broadcast it reads along (XLA folds a
+    # broadcast of a broadcast into one: vmap broadcasting the -inf of a masked softmax
+    # over the pipeline's stages)
+    def absorbs(r: int, broadcast: bool) -> bool:
+        name = graph.apps[r].eqn.primitive.name
+        if is_elementwise(r) or name in REDUCTIONS:
+            return True
+        return (
+            broadcast
+            and name == "broadcast_in_dim"
+            and owner[graph.apps[r].results[0]] in fused_set
+        )
 
-    fused = [
-        int(v) for v in live.intermediates
-        if int(v) in producer and fusible(producer[int(v)])
-        and all(absorbs(r) and scope(r) == scope(producer[int(v)])
-                for r in readers.get(int(v), ()))
-        and duplicable(int(v))
-    ]  # fmt: skip
+    fused, fused_set = [], set()
+    # readers before their operands' producers: whether a broadcast reader is fused is
+    # known when its operand is looked at
+    for v in sorted(live.intermediates.tolist(), key=lambda v: -producer.get(v, -1)):
+        if v not in producer or not fusible(producer[v]):
+            continue
+        broadcast = graph.apps[producer[v]].eqn.primitive.name == "broadcast_in_dim"
+        if (
+            all(absorbs(r, broadcast) and scope(r) == scope(producer[v])
+                for r in readers.get(v, ()))
+            and duplicable(v)
+        ):  # fmt: skip
+            fused.append(v)
+            fused_set.add(v)
+    fused.sort()
     if matmul_epilogues:
         inside, outputs = _epilogue_regions(graph, owner, producer, readers, scope)
         fused = [v for v in fused if v not in outputs]
@@ -161,7 +179,7 @@ def fused_liveness(
     # (`memory_estimate`)
     at = live.schedule.at if live.schedule is not None else np.arange(len(graph.apps))
     stored = set(kept.tolist())
-    fused_set = set(fused)
+    fused_set = set(fused)  # with the matmul epilogues
     squeezable: dict[int, int] = {}
 
     def inputs(a: int) -> Iterator[int]:  # the stored buffers a fusion rooted at ``a`` reads
