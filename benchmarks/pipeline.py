@@ -29,11 +29,13 @@ parallel on model):
   4 chunks of 2 layers per stage and with `replicate=True`.
 
 Columns: memory per device (`memory_analysis`: arguments + results + temporaries −
-aliased), the temporaries alone, collective bytes per device per step (compiled, ring volumes), compute per
-device (`jaxshard.cost.compute_flops`: XLA's cost analysis counts a loop body once), and
-the modeled step time = compute / 1e14 FLOP/s + bytes / 1e11 B/s, both per device, with
-no overlap. Then the bubble (S−1)/(M+S−1) against M, and the compute the pipelined
-program does per device over the ideal share (the plain data x tensor parallel layout's).
+aliased), the temporaries alone, collective bytes per device per step (compiled, ring
+volumes), jaxshard's memory estimate (`Plan.estimated_memory`) and predicted bytes over
+those compiled figures, compute per device (`jaxshard.cost.compute_flops`: XLA's cost
+analysis counts a loop body once), and the modeled step time = compute / 1e14 FLOP/s +
+bytes / 1e11 B/s, both per device, with no overlap. Then the bubble (S−1)/(M+S−1)
+against M, and the compute the pipelined program does per device over the ideal share
+(the plain data x tensor parallel layout's).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def measure(w, mesh, hints, pipeline=None) -> dict:
         "temp": compiled.memory_analysis().temp_size_in_bytes,
         "bytes": cost.bytes,
         "predicted": plan.predicted_bytes,
+        "estimated": plan.estimated_memory.total,
         "flops": flops,
         "time": flops / PEAK_FLOPS + cost.bytes / BANDWIDTH,
         "stack": plan.in_specs[0]["layers"]["wq"],
@@ -154,14 +157,16 @@ def report(rows, w) -> str:
         f"{w.describe()}; mesh (stage=4, data=4, model=4), 64 devices.",
         "",
         "| layout | memory / device | temporaries / device | collective bytes / device | "
+        "jaxshard's estimate / compiled: memory, bytes | "
         "compute / device | modeled step time | vs 16-way DP x TP | wq stored as | plan s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = rows[1][2]["time"]
     for name, _, m in rows:
         out.append(
             f"| {name} | {human_bytes(m['memory'])} | {human_bytes(m['temp'])} | "
             f"{human_bytes(m['bytes'])} | "
+            f"{m['estimated'] / m['memory']:.2f}x, {m['predicted'] / m['bytes']:.2f}x | "
             f"{m['flops'] / 1e12:.1f} TFLOP | {m['time']:.2f} s | {m['time'] / base:.2f}x | "
             f"`{m['stack']}` | {m['plan_s']:.1f} |"
         )
