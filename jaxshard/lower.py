@@ -335,6 +335,12 @@ class Lowered:
                 # axis along different dims gathered the larger input)
                 via[r.vid] = Via(r.src, plan.dims[r.vid])
             elif r.partial:
+                if any(step.kind == CollectiveKind.ALL_GATHER for step in r.steps):
+                    # a partial sum reduced, then gathered: left to itself, XLA computes
+                    # the contraction in the gathered layout, gathering its operand
+                    # instead (measured: a head's backward matmul under a pipeline gathered
+                    # the logits' gradient over "stage", 8x the bytes of its result)
+                    via[r.vid] = Via(r.src, plan.dims[r.vid])
                 continue
             elif len(reshard_steps(*self._without_unit_axes(r.src, r.dst), self._sizes)) > 1:
                 via[r.vid] = Via(r.src, plan.dims[r.vid])
@@ -381,7 +387,9 @@ class Lowered:
         constrained before moves through the layouts `reshard_steps` gives: a move XLA
         has no collective for would replicate the whole array on every device."""
         if isinstance(dims, Via):
-            var, dims = self._constrain(var, dims.working, eqns, like), dims.dims
+            if not self._passes_on(like, var, dims.dims):
+                var = self._constrain(var, dims.working, eqns, like)
+            dims = dims.dims
         src = self._layout_of.get(var)
         steps = [dims]
         if src is not None and None not in src and None not in dims:
@@ -399,6 +407,18 @@ class Lowered:
             var = new
         self._layout_of[var] = dims
         return var
+
+    def _passes_on(self, eqn, var, dims: tuple) -> bool:
+        """Whether ``eqn`` makes ``var`` from one value of its shape already constrained to
+        ``dims`` (a hint, a type conversion): another name of a moved value, which a
+        `Via` must not take back through the working layout."""
+        ins = [v for v in eqn.invars if not isinstance(v, Literal)]
+        return (
+            var in eqn.outvars
+            and len(ins) == 1
+            and ins[0].aval.shape == var.aval.shape
+            and self._layout_of.get(ins[0]) == dims
+        )
 
     def _regions_of(self, jaxpr: Jaxpr) -> list:
         """``(index, eqn, regions)`` of the higher-order equations of a jaxpr, computed
