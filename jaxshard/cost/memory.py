@@ -63,8 +63,9 @@ def fused_liveness(
     and only elementwise equations or reductions (`REDUCTIONS`) read (a broadcast: or a
     broadcast fused in turn) is recomputed inside its readers' fusions, not stored (the
     backward pass reads such residuals of the forward's elementwise chains, say a layer
-    norm's centred input, from their operands), unless an `EXPENSIVE` equation makes it for several readers (silu's
-    sigmoid, read by the forward's product and the backward's derivative). With
+    norm's centred input, from their operands), unless an `EXPENSIVE` equation makes it
+    for several readers (silu's sigmoid, read by the forward's product and the
+    backward's derivative). With
     ``extend`` those operands stay alive until the fused value's last reader, as the
     recomputation needs them. With ``matmul_epilogues`` (XLA's CPU backend), a batched
     matmul's arithmetic epilogue is fused with it too (`_epilogue_regions`).

@@ -222,18 +222,18 @@ class _Pricing:
             return _return_cost(self.final, a[1], self.returned[a[1]], self.reduce_scatter)
         return _app_cost(self.final, a, self.runs[a], self.reduce_scatter)
 
-    def affords(self, changed: dict[int, list[DimSharding]], spent: float, memory: int | None):
+    def affords(self, changed: dict[int, list[DimSharding]], spent: float):
         """``(extra collective cost, memory, per-application costs)`` with the values in
         ``changed`` laid out as given there, when that is a split to keep: it gathers
         nothing more than before, its extra cost with the ``spent`` of the splits kept
         before stays within `COST_ALLOWANCE` of the plan's cost, and the memory is below
-        ``memory`` (None: this plan's). Else None. Memory is estimated last, only for a
-        change that passes the rest."""
+        this plan's (the splits kept so far included). Else None. Memory is estimated
+        last, only for a change that passes the rest."""
         extra, moved, costs = self.price(changed)
         if moved or (spent + extra > 0 and spent + extra > COST_ALLOWANCE * self.cost):
             return None
         total = self.memory.total_with(changed)
-        if total >= (self.memory.total if memory is None else memory):
+        if total >= self.memory.total:
             return None
         return extra, total, costs
 
@@ -401,7 +401,7 @@ def _split_for_memory(
     seen: dict = {}
     apps = [a for a, app in enumerate(graph.apps) if a not in dead and not duplicate_app(app, seen)]
     base = _Pricing(prop, dead, executions(graph), apps, reduce_scatter)
-    spent, memory = 0.0, None  # the memory of the plan with the splits kept so far
+    spent = 0.0
     hinted = set(prop.hinted)  # the user's leaves keep their layout, open dims included
     kept, settled = [], None
     for vid in big:
@@ -418,7 +418,7 @@ def _split_for_memory(
                     v: [() if x is None else x for x in dims[v]]
                     for v in dict.fromkeys(v for v, *_ in written)
                 }
-            priced = None if changed is None else base.affords(changed, spent, memory)
+            priced = None if changed is None else base.affords(changed, spent)
             if priced is not None:
                 options.append((priced[1], d, axis, pin))
         best = None
@@ -429,24 +429,23 @@ def _split_for_memory(
                 changed, final = base.settled_changes(prop)
             if not hinted.isdisjoint(changed):
                 continue
-            priced = base.affords(changed, spent, memory)
+            priced = base.affords(changed, spent)
             if priced is not None:
                 best = (*priced, pin, changed, final)
                 break
         if best is None:
             continue
         extra, total, costs, pin, changed, settled = best
-        memory = base.memory.total if memory is None else memory
         shown = f"{extra:.0f} B" if prop.cost_model is None else f"{extra * 1e6:.2f} µs"
-        pin = Pin(pin.dims, f"split to save memory: {human_bytes(memory - total)} less per "
-                            f"device for {shown} more collectives per step")  # fmt: skip
+        saved = human_bytes(base.memory.total - total)
+        pin = Pin(pin.dims, f"split to save memory: {saved} less per device for {shown} "
+                            "more collectives per step")  # fmt: skip
         prop.pin(vid, pin, DEFAULT_RANK)
         prop.run()
         _relabel(settled, vid, pin)  # it was settled with the pin's text still unknown
         kept.append((vid, pin))
         spent += extra
-        base.keep(changed, costs)
-        memory = total
+        base.keep(changed, costs)  # its memory is now ``total``
     return kept, settled if kept else base.unchanged()
 
 
