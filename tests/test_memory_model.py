@@ -1,12 +1,12 @@
-"""The memory estimate against compiled programs, each built around one thing XLA does
-with buffers that program order does not show: work that reads no loop result runs
-before the loop, independent all-reduces are combined (on CPU, whatever their size), a
-transpose is written by the equation it reads, an elementwise fusion writes over an
-operand that dies there, a reduction computes its elementwise operands inside its own
-fusion, a broadcast of a broadcast is folded into its reader, a CPU matmul copies a
-left operand whose contracted dims lead, work moved before a loop frees its buffers as
-it goes, and a scanned gradient sits in the buffer of a result it updates, written
-after it."""
+"""The memory estimate against compiled programs, each built around one thing XLA does with
+buffers that program order does not show: work that reads no loop result runs before the
+loop, independent all-reduces are combined (on CPU, whatever their size), a transpose is
+written by the equation it reads, an elementwise fusion writes over an operand that dies
+there, a reduction computes its elementwise operands inside its own fusion, a broadcast
+of a broadcast is folded into its reader, a CPU matmul copies a left operand whose
+contracted dims lead (an elementwise one computed again from its fusion's inputs), work
+moved before a loop frees its buffers as it goes, and a scanned gradient sits in the
+buffer of a result it updates, written after it."""
 
 import jax
 import jax.numpy as jnp
@@ -209,6 +209,26 @@ def test_a_matmul_contracting_the_leading_dims_of_its_left_operand_copies_it(lin
               "w2": jax.ShapeDtypeStruct((4096, 256), F32)}  # fmt: skip
     args = (params, jax.ShapeDtypeStruct((64, 128, 256), F32))
     assert _ratio(line, f, args, {"x": P("data")}) == pytest.approx(1.0, abs=0.03)
+
+
+def test_a_copied_operand_is_computed_again_from_its_fusions_inputs(line):
+    # the logits' gradient (the labels' scatter plus the log-softmax's exponential times a
+    # row factor) is read by the hidden state's gradient and, copied transposed, by the
+    # head's: XLA's copy is a second fusion reading the scatter and the exponential, so
+    # both stay alive beside the gradient and its copy (0.80x when the gradient is
+    # written over the scatter)
+    def loss(w, h, labels):
+        logp = jax.nn.log_softmax(h @ w, axis=-1)
+        return -jnp.take_along_axis(logp, labels[..., None], axis=-1).mean()
+
+    args = (
+        jax.ShapeDtypeStruct((256, 8192), F32),
+        jax.ShapeDtypeStruct((16, 256, 256), F32),
+        jax.ShapeDtypeStruct((16, 256), jnp.int32),
+    )
+    grad = jax.grad(loss, argnums=(0, 1))
+    ratio = _ratio(line, grad, args, {"h": P("data"), "labels": P("data")})
+    assert ratio == pytest.approx(1.0, abs=0.03)  # 1.00 measured
 
 
 def test_a_batched_matmuls_arithmetic_epilogue_is_fused_with_it(line):

@@ -94,13 +94,7 @@ def fused_liveness(
     def is_elementwise(a: int) -> bool:
         hit = elementwise.get(a)
         if hit is None:
-            app = graph.apps[a]
-            shape = graph.shapes[app.results[0]] if app.results else None
-            hit = elementwise[a] = (
-                app.kind is AppKind.EQN
-                and app.rule.plain
-                and all(graph.shapes[u] in (shape, ()) for u in app.operands)
-            )
+            hit = elementwise[a] = _elementwise(graph, graph.apps[a])
         return hit
 
     loose: dict[int, bool] = {}
@@ -510,6 +504,7 @@ def transposed_operands(
     axis_sizes: Mapping[str, int],
     live: Liveness,
     ends: dict[int, int] | None = None,
+    reread: dict[int, int] | None = None,
 ) -> list[tuple[int, int, int, str]]:
     """The copies XLA's CPU backend makes of matmul operands it must transpose
     (`memory_estimate`'s ``extra``: ``(first, last, bytes per device, what)``). Its matmuls read
@@ -525,6 +520,12 @@ def transposed_operands(
     programs: the MLP's activation gradients, also read by the input gradient's matmul,
     are kept twice at the backward pass's peak, once transposed, and an activation read
     by another matmul besides (the forward's next layer) is freed after that one.
+    An operand an elementwise fusion makes is copied by a second fusion that computes it
+    again from that fusion's inputs (the logits' gradient, from the log-softmax's
+    exponential and the labels' scatter: four logit-sized buffers at once in the 8B
+    pipeline), so those inputs live until the copy is made and the operand is not
+    written over one of them: ``reread`` (when given) receives per input buffer the
+    time of the copy (`_fusion_inputs`).
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxshard.rules
@@ -547,6 +548,7 @@ def transposed_operands(
                 reading.setdefault(o, []).append(b)
     at = live.schedule.at if live.schedule is not None else np.arange(len(graph.apps))
     copies = []
+    stored = None  # the buffers `fused_liveness` keeps, once a copy needs them
     for a, app in enumerate(graph.apps):
         if app.kind is not AppKind.EQN or app.eqn.primitive.name != "dot_general":
             continue
@@ -565,10 +567,51 @@ def transposed_operands(
             size = per_device_bytes(graph.shapes[v], graph.dtypes[v], dims[v], axis_sizes)
             what = f"a transposed copy of %{v} {tuple(graph.shapes[v])} for {app.describe()}"
             copies.append((first, t, size, what))
+            if reread is not None and own:
+                if stored is None:
+                    stored = set(live.intermediates.tolist())
+                for i in _fusion_inputs(graph, live.owner, stored, made, maker):
+                    if live.end[i] < first:
+                        reread[i] = max(reread.get(i, first), first)
             if ends is not None and own and first < t and live.end[o] >= 0:
                 others = [int(at[b]) for b in reading.get(o, ()) if b != a]
                 ends[o] = min(ends.get(o, live.end[o]), max(others, default=first))
     return copies
+
+
+def _fusion_inputs(graph, owner, stored: set[int], made: Mapping[int, int], root: int) -> list[int]:
+    """The ``stored`` buffers a fusion rooted at application ``root`` reads, when XLA
+    would compute it again for a second reader (it is elementwise and nothing in it is
+    `EXPENSIVE`, which XLA does not duplicate); else none. The fusion takes in the values
+    `fused_liveness` does not store."""
+    todo, seen, found = [root], {root}, []
+    while todo:
+        app = graph.apps[todo.pop()]
+        if app.kind is not AppKind.EQN or app.eqn.primitive.name in EXPENSIVE:
+            return []
+        if not (_elementwise(graph, app) or _row_broadcast(graph, app)):
+            if app.eqn.primitive.name != "broadcast_in_dim":
+                return []
+        for u in app.operands:
+            o = owner[u]
+            b = made.get(o)
+            if o in stored or b is None:
+                found.append(o)
+            elif b not in seen:
+                seen.add(b)
+                todo.append(b)
+    return [o for o in dict.fromkeys(found) if o in stored]
+
+
+def _elementwise(graph, app) -> bool:
+    """Whether ``app`` is a plain elementwise equation: operands of its result's shape, or
+    scalars."""
+    shape = graph.shapes[app.results[0]] if app.results else None
+    return (
+        app.kind is AppKind.EQN
+        and app.rule.plain
+        and all(graph.shapes[u] in (shape, ()) for u in app.operands)
+    )
 
 
 def _read_as_it_is(local: Sequence[int], batch: tuple, summed: tuple, left: bool) -> bool:

@@ -82,12 +82,16 @@ class PlanMemory:
         copies = self.moved_copies(live, reduced)
         if cpu:
             ends: dict[int, int] = {}
-            copies += transposed_operands(g, self.dims, self.axis_sizes, live, ends)
-            if ends:  # the matmul reads the copy: the operand is free after its other readers
+            reread: dict[int, int] = {}
+            copies += transposed_operands(g, self.dims, self.axis_sizes, live, ends, reread)
+            if ends or reread:
                 end = live.end.copy()
-                for o, e in ends.items():
-                    end[o] = e
-                live = dataclasses.replace(live, end=end)
+                for o, e in ends.items():  # the matmul reads the copy: the operand is
+                    end[o] = e  # free after its other readers
+                for o, e in reread.items():  # the copy's fusion reads these again
+                    end[o] = max(end[o], e)
+                squeezable = {o: t for o, t in live.squeezable.items() if o not in reread}
+                live = dataclasses.replace(live, end=end, squeezable=squeezable)
         return live, copies
 
     def _named(self, v: int) -> str:
