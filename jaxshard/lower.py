@@ -335,11 +335,19 @@ class Lowered:
                 # axis along different dims gathered the larger input)
                 via[r.vid] = Via(r.src, plan.dims[r.vid])
             elif r.partial:
-                if any(step.kind == CollectiveKind.ALL_GATHER for step in r.steps):
+                kinds = {step.kind for step in r.steps}
+                if CollectiveKind.ALL_GATHER in kinds or (
+                    CollectiveKind.REDUCE_SCATTER in kinds
+                    and app.eqn.primitive is prims.scatter_add_p
+                ):
                     # a partial sum reduced, then gathered: left to itself, XLA computes
                     # the contraction in the gathered layout, gathering its operand
                     # instead (measured: a head's backward matmul under a pipeline gathered
-                    # the logits' gradient over "stage", 8x the bytes of its result)
+                    # the logits' gradient over "stage", 8x the bytes of its result). A
+                    # scatter-add's partial sum reduce-scattered: XLA scatters into the
+                    # split layout, moving the updates by an all-to-all (an embedding's
+                    # gradient, for its optimizer state stored split over the batch's
+                    # axis: 16x the bytes of the reduce-scatter)
                     via[r.vid] = Via(r.src, plan.dims[r.vid])
                 continue
             elif len(reshard_steps(*self._without_unit_axes(r.src, r.dst), self._sizes)) > 1:

@@ -562,3 +562,26 @@ def test_a_partial_sum_reduced_then_gathered_moves_the_result_not_the_operand(me
     assert moved.collectives == ("all-reduce over model", "all-gather over data")
     check = plan.verify(planned.lower(*args))
     assert check.ok, check.surprises
+
+
+def test_a_scattered_partial_sum_is_reduce_scattered_not_its_updates_moved(mesh):
+    # an embedding's gradient: the rows' gradients (batch split over "data") are
+    # scattered into the table split over "model" on its rows, each device a partial sum,
+    # reduce-scattered over "data" for the first moment stored split over it. XLA, given
+    # only the final layout, scattered into it, moving the updates by an all-to-all over
+    # "data" (9.5 MiB per device, four collectives not predicted, instead of 7 MiB)
+    def f(table, mu, tok):
+        g = jax.grad(lambda t: jnp.sum(jnp.tanh(t[tok])))(table)
+        return 0.9 * mu + 0.1 * g
+
+    args = (
+        jax.ShapeDtypeStruct((4096, 256), jnp.float32),
+        jax.ShapeDtypeStruct((4096, 256), jnp.float32),
+        jax.ShapeDtypeStruct((16, 512), jnp.int32),
+    )
+    hints = {"table": P("model", None), "mu": P("model", "data"), "tok": P("data")}
+    planned = jaxshard.auto_shard(mesh, hints)(f)
+    plan = planned.plan(*args)
+    assert [r.collectives for r in plan.reshards][-1] == ("reduce-scatter over data",)
+    check = plan.verify(planned.lower(*args))
+    assert check.ok, check.surprises
