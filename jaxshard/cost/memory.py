@@ -10,7 +10,7 @@ CPU matmuls read (`transposed_operands`), and the estimate's curve over the sche
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,22 +177,11 @@ def fused_liveness(
     fused_set = set(fused)  # with the matmul epilogues
     squeezable: dict[int, int] = {}
 
-    def inputs(a: int) -> Iterator[int]:  # the stored buffers a fusion rooted at ``a`` reads
-        todo, seen = [a], {a}
-        while todo:
-            for u in graph.apps[todo.pop()].operands:
-                o = owner[u]
-                if o not in fused_set:
-                    yield o
-                elif producer[o] not in seen:
-                    seen.add(producer[o])
-                    todo.append(producer[o])
-
     for v in stored:
         a = producer.get(v)
         if a is None or not is_loosely_elementwise(a):
             continue
-        for o in inputs(a):
+        for o in _region_inputs(graph, owner, producer, fused_set.__contains__, a):
             if (
                 o in stored and o != v and end[o] == at[a] and live.start[o] < at[a]
                 and graph.shapes[o] == graph.shapes[v] and graph.dtypes[o] == graph.dtypes[v]
@@ -525,7 +514,7 @@ def transposed_operands(
     exponential and the labels' scatter: four logit-sized buffers at once in the 8B
     pipeline), so those inputs live until the copy is made and the operand is not
     written over one of them: ``reread`` (when given) receives per input buffer the
-    time of the copy (`_fusion_inputs`).
+    time of the copy (`_recomputed_from`).
 
     Example:
         >>> import jax, jax.numpy as jnp, jaxshard.rules
@@ -570,7 +559,7 @@ def transposed_operands(
             if reread is not None and own:
                 if stored is None:
                     stored = set(live.intermediates.tolist())
-                for i in _fusion_inputs(graph, live.owner, stored, made, maker):
+                for i in _recomputed_from(graph, live.owner, stored, made, maker):
                     if live.end[i] < first:
                         reread[i] = max(reread.get(i, first), first)
             if ends is not None and own and first < t and live.end[o] >= 0:
@@ -579,28 +568,50 @@ def transposed_operands(
     return copies
 
 
-def _fusion_inputs(graph, owner, stored: set[int], made: Mapping[int, int], root: int) -> list[int]:
+def _region_inputs(
+    graph,
+    owner,
+    producer: Mapping[int, int],
+    inside: Callable[[int], bool],
+    root: int,
+    apps: list[int] | None = None,
+) -> Iterator[int]:
+    """The buffers the fusion rooted at application ``root`` reads, in the order it
+    reaches them: a buffer ``inside`` says is computed within the fusion is not read but
+    made there by its ``producer``, whose operands are followed in turn. ``apps`` (when
+    given) receives every application of the fusion."""
+    todo, seen = [root], {root}
+    while todo:
+        a = todo.pop()
+        if apps is not None:
+            apps.append(a)
+        for u in graph.apps[a].operands:
+            o = owner[u]
+            if not inside(o):
+                yield o
+            elif producer[o] not in seen:
+                seen.add(producer[o])
+                todo.append(producer[o])
+
+
+def _recomputed_from(
+    graph, owner, stored: set[int], made: Mapping[int, int], root: int
+) -> list[int]:
     """The ``stored`` buffers a fusion rooted at application ``root`` reads, when XLA
     would compute it again for a second reader (it is elementwise and nothing in it is
     `EXPENSIVE`, which XLA does not duplicate); else none. The fusion takes in the values
     `fused_liveness` does not store."""
-    todo, seen, found = [root], {root}, []
-    while todo:
-        app = graph.apps[todo.pop()]
-        if app.kind is not AppKind.EQN or app.eqn.primitive.name in EXPENSIVE:
+    apps: list[int] = []
+    inside = lambda o: o not in stored and o in made  # noqa: E731
+    found = [o for o in _region_inputs(graph, owner, made, inside, root, apps) if o in stored]
+    for a in apps:
+        app = graph.apps[a]
+        if app.eqn.primitive.name in EXPENSIVE:
             return []
         if not (_elementwise(graph, app) or _row_broadcast(graph, app)):
             if app.eqn.primitive.name != "broadcast_in_dim":
                 return []
-        for u in app.operands:
-            o = owner[u]
-            b = made.get(o)
-            if o in stored or b is None:
-                found.append(o)
-            elif b not in seen:
-                seen.add(b)
-                todo.append(b)
-    return [o for o in dict.fromkeys(found) if o in stored]
+    return list(dict.fromkeys(found))
 
 
 def _elementwise(graph, app) -> bool:
