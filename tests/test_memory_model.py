@@ -5,8 +5,8 @@ written by the equation it reads, an elementwise fusion writes over an operand t
 there, a reduction computes its elementwise operands inside its own fusion, a broadcast
 of a broadcast is folded into its reader, a CPU matmul copies a left operand whose
 contracted dims lead (an elementwise one computed again from its fusion's inputs), work
-moved before a loop frees its buffers as it goes, and a scanned gradient sits in the
-buffer of a result it updates, written after it."""
+moved before a loop frees its buffers as it goes, and a loop's stack sits in the
+buffer of a result written after it."""
 
 import jax
 import jax.numpy as jnp
@@ -337,20 +337,48 @@ def _optimizer_step(loss, optimizer):
 @pytest.mark.parametrize(
     "optimizer, expected",
     [
-        pytest.param(optax.sgd(0.1, momentum=0.9), 0.97, id="momentum"),
-        pytest.param(optax.adamw(1e-3), 1.02, id="adamw"),
-        pytest.param(optax.sgd(0.1), 1.09, id="sgd"),
+        pytest.param(optax.sgd(0.1, momentum=0.9), 1.03, id="momentum"),
+        pytest.param(optax.adamw(1e-3), 1.06, id="adamw"),
+        pytest.param(optax.sgd(0.1), 1.00, id="sgd"),
     ],
 )
 def test_a_scanned_gradient_sits_in_a_result_written_after_it(line, optimizer, expected):
-    # XLA puts the stacked gradient (16 MiB) in the buffer of a result it updates, written
-    # after its last reader: the new weights under momentum or Adam, whose moments read
-    # it first. Plain SGD's update reads it as it writes the new weights: a buffer of its
-    # own (0.74x when taken as written in place)
+    # XLA puts a stacked gradient (8 MiB) in the buffer of a result first written after
+    # its last reader: the new weights under momentum or Adam, whose moments read it
+    # first. Plain SGD's update reads it as it writes the new weights, so the first
+    # gradient stack sits in the second weight's buffer, written after it, and the second
+    # stays apart (1.09x when each could only sit in its own result's; 0.74x when taken
+    # as written in place). A layer's gradient the backward loop all-reduces takes a
+    # buffer of its own beside the partial (0.91x for SGD when not counted); the
+    # estimate also holds the partial, which XLA puts in a new weight's buffer (the
+    # momentum and Adam steps' excess)
     loss, params = _scanned_tanh_blocks(0)
     args = (params, jax.eval_shape(optimizer.init, params), jax.ShapeDtypeStruct((256, 512), F32))
     ratio = _ratio(line, _optimizer_step(loss, optimizer), args, {"x": P("data")})
     assert ratio == pytest.approx(expected, abs=0.03)
+
+
+def test_a_gradient_stack_sits_in_another_results_buffer_written_after_it(line):
+    # plain SGD on weights stored split over the batch's axis (FSDP): the first weight's
+    # gradient stack (16 MiB a device) is read by its own update as that writes the new
+    # weight, so it sits in the buffer of the second weight's new value, written after
+    # it; XLA makes it, zero-filled, before the forward loop (1.18x when it could only
+    # sit in its own result's buffer)
+    def loss(p, x):
+        block = jax.checkpoint(lambda c, w: c + jnp.tanh(c @ w[0]) @ w[1])
+        h, _ = jax.lax.scan(lambda c, w: (block(c, w), None), x, (p["w1"], p["w2"]))
+        return jnp.mean(h**2)
+
+    def step(p, x):
+        return jax.tree.map(lambda w, g: w - 0.1 * g, p, jax.grad(loss)(p, x))
+
+    params = {
+        "w1": jax.ShapeDtypeStruct((4, 1024, 8192), F32),
+        "w2": jax.ShapeDtypeStruct((4, 8192, 1024), F32),
+    }
+    args = (params, jax.ShapeDtypeStruct((64, 1024), F32))
+    hints = {"x": P("data"), "p/w1": P(None, None, "data"), "p/w2": P(None, "data", None)}
+    assert _ratio(line, step, args, hints) == pytest.approx(1.0, abs=0.03)
 
 
 def test_a_weight_stack_moved_for_the_scan_sits_in_its_new_weights_buffer(line):

@@ -9,6 +9,8 @@ CPU matmuls read (`transposed_operands`), and the estimate's curve over the sche
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ import numpy as np
 
 from jaxshard.cost.schedule import Liveness, liveness, xla_scope
 from jaxshard.cost.sizes import per_device_bytes, per_device_shape
-from jaxshard.graph import AppKind, contracts, stack_results
+from jaxshard.graph import AppKind, contracts
 from jaxshard.lattice import DimSharding, slices_locally
 
 
@@ -310,7 +312,7 @@ def memory_estimate(
     may reorder, so this over-counts activations of unfused code; arguments and results
     (kept apart, as without donation) are exact. A loop's stack that XLA's buffer
     assignment puts in the buffer of a result written after it (`_in_result_buffers`: a
-    scanned gradient in its new weights' buffer) costs nothing of its own.
+    scanned gradient in a new weight's buffer) costs nothing of its own.
 
     Example:
         >>> import jax.numpy as jnp, jaxshard.rules
@@ -374,8 +376,8 @@ class _Curve:
             if 1 in per_device_shape(graph.shapes[v], dims[v], axis_sizes):
                 end = end.copy() if end is live.end else end
                 end[v] = t
-        # XLA's buffer assignment puts a scanned gradient in the buffer of the result it
-        # updates when that is written after the gradient's last reader
+        # XLA's buffer assignment puts a loop's stack in a result's buffer when that is
+        # written after the stack's last reader
         sizes = _in_result_buffers(graph, live, end, sizes, out_dims, axis_sizes)
         delta = np.zeros(n_apps + 1, dtype=np.int64)
         np.add.at(delta, live.start[live.intermediates], sizes)
@@ -409,36 +411,49 @@ class _Curve:
 
 def _in_result_buffers(graph, live: Liveness, end, sizes, out_dims, axis_sizes) -> np.ndarray:
     """``sizes`` (of ``live.intermediates``) less the loop stacks XLA's buffer assignment
-    puts in a result's buffer: one of the stack's results (`stack_results`: the new
-    weights and moments a scanned gradient updates) of exactly its per-device size,
-    first written after the stack's last reader, holding one stack at a time (largest
-    first). A stack its result's own equation reads (a plain SGD update) and other
-    temporaries keep buffers of their own.
+    puts in a result's buffer. XLA's ``BufferAssigner`` makes the results' buffers first,
+    then tries each temporary, largest first (ties: the earliest), in the smallest result
+    buffer of at least its size (ties: the one made last) that nothing holds over the
+    temporary's life: the result itself from its first write to the end of the step, and
+    the temporaries placed there before. A stack goes there when the result is first
+    written after its last reader (a scanned gradient in its new weights' buffer, a
+    forward's residuals in a new weight stack's); a plain SGD update reads its gradient as
+    it writes the new weights, so that stack stays apart. Other temporaries keep buffers
+    of their own: XLA places them the same way, but in a step without loops it schedules
+    the updates earlier than program order (placing them too made searched unrolled steps
+    compile over their budgets), and inside loops each is small beside the stacks.
 
     Example:
         >>> _in_result_buffers(g, live, live.end, sizes, out_dims, {"data": 2})  # doctest: +SKIP
         array([0, 512])
     """
     inter = live.intermediates
-    stacks = [i for i, v in enumerate(inter) if int(v) in live.stacked and sizes[i]]
+    stacks = [i for i, v in enumerate(inter.tolist()) if v in live.stacked and sizes[i]]
     if not stacks:
         return sizes
-    sizes, busy = sizes.copy(), {}
-    for i in sorted(stacks, key=lambda i: -int(sizes[i])):
+    made, seen = [], set()
+    for o, r in enumerate(graph.out_vids):
+        own = live.owner[r]
+        if own not in seen:
+            seen.add(own)
+            size = per_device_bytes(graph.shapes[r], graph.dtypes[r], out_dims[o], axis_sizes)
+            made.append((size, live.results_from.get(own, math.inf)))
+    made.sort(key=lambda b: (b[0], -b[1]))  # the order XLA tries them in
+    room = [b[0] for b in made]
+    held: list[tuple[list[int], list[int]]] = [([], []) for _ in made]  # starts, ends
+    sizes = sizes.copy()
+    for i in sorted(stacks, key=lambda i: (-int(sizes[i]), int(live.start[inter[i]]))):
         v = int(inter[i])
         first, last = int(live.start[v]), int(end[v])
-        for o in stack_results(graph, v):
-            r = graph.out_vids[o]
-            own = per_device_bytes(graph.shapes[r], graph.dtypes[r], out_dims[o], axis_sizes)
-            spans = busy.setdefault(o, [])
-            if (
-                own == sizes[i]
-                and live.written_after(r, last)
-                and not any(first <= b and a <= last for a, b in spans)
-            ):
-                spans.append((first, last))
-                sizes[i] = 0
-                break
+        for k in range(bisect.bisect_left(room, int(sizes[i])), len(made)):
+            starts, ends = held[k]
+            j = bisect.bisect_right(starts, last)
+            if made[k][1] <= last or (j and ends[j - 1] >= first):
+                continue
+            starts.insert(j, first)
+            ends.insert(j, last)
+            sizes[i] = 0
+            break
     return sizes
 
 

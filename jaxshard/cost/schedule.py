@@ -290,6 +290,7 @@ def liveness(
     link_body = getattr(graph, "link_body", {})
     sched = schedule(graph, ready)
     at = sched.at.tolist()
+    early = max(0, sched.loop_starts[0] - 1) if sched.loop_starts else big  # see the links
     span: dict[int, list[int]] = {}
     for a, app in enumerate(graph.apps):
         if a in skip or app.kind is AppKind.TIE:
@@ -307,13 +308,16 @@ def liveness(
                     stacked[owner[v]] = r
             # a link's operand is the outer value of a loop or call, linked after the body:
             # a stacked result (the residuals a scan saves for the backward pass, a
-            # scanned gradient) is allocated when the loop starts and filled as it runs,
-            # and a stacked input the loop reads is alive until it ends
+            # scanned gradient) is allocated before the loop starts and filled as it
+            # runs, and a stacked input the loop reads is alive until it ends. XLA makes
+            # the stack's zero-filled buffer, which reads nothing, before the first loop
+            # (read in the buffer assignment of scanned steps: the backward loop's
+            # gradient stacks are made before the forward loop)
             first = at[link_body.get(a, a)]
             for v in app.operands:
                 o = owner[v]
                 if start[o] == big:
-                    start[o] = min(first, t)
+                    start[o] = min(first, t, early if o in stacked else big)
                 if t > end[o]:
                     end[o] = t
             continue

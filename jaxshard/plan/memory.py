@@ -9,7 +9,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import math
 from collections.abc import Mapping
 
 from jaxshard.cost import (
@@ -187,6 +186,13 @@ class PlanMemory:
             key = (r.vid, r.dst, xla_scope(g.apps[r.app].where))
             what = f"{self._named(r.vid)} moved to {to_spec(r.dst)} for {g.apps[r.app].describe()}"
             first, end = sched.hoisted(r.app, r.vid), int(max(t, last.get(key, t)))
+            body = self._sliced_in.get(r.vid)
+            if body is not None and not sched.top[r.app]:
+                # a loop's slice of a stack (a layer's weight) moved for its use in the
+                # body: XLA's schedule moves it at the body's start, and the copy is
+                # alive from there (read in the buffer assignment of scanned FSDP
+                # steps: every gathered weight of the layer at the attention's peak)
+                first = min(first, int(at[body]))
             k = self._loop_of(r.app, sched) if slices_stack(g, r.app) else None
             if k is not None:
                 # a stack gathered whole for its loop (stored split along its layers):
@@ -210,6 +216,19 @@ class PlanMemory:
         return k if k >= 0 else None
 
     @functools.cached_property
+    def _sliced_in(self) -> dict[int, int]:
+        """Per value a loop's link slices from a stacked input, the first application of
+        the loop's body."""
+        g, found = self.graph, {}
+        starts = getattr(g, "link_body", {})
+        for a, app in enumerate(g.apps):
+            if app.kind is AppKind.LINK:
+                for v, r in zip(app.operands, app.results):
+                    if len(g.shapes[v]) == len(g.shapes[r]) + 1:
+                        found[r] = starts.get(a, a)
+        return found
+
+    @functools.cached_property
     def _uses(self) -> list[list[int]]:
         """Per value, the applications it takes part in (`jaxshard.graph.Graph.uses`)."""
         return self.graph.uses()
@@ -221,8 +240,9 @@ class PlanMemory:
         of its type (a gradient scattered into zeros: the estimate holds those). Any other
         value stands for the partial; its all-reduced copy is one more, unless it flows,
         through moves and elementwise equations, into a result of at least its size (an
-        update XLA writes over it) or into a loop (a gradient stacked by the backward
-        scan)."""
+        update XLA writes over it). A layer's gradient the backward loop stacks is not
+        such a result: XLA all-reduces it into a buffer of its own beside the partial
+        (read in the buffer assignment of scanned steps)."""
         g = self.graph
         if v in self._result_bytes:
             maker = g.producers().get(v)
@@ -238,9 +258,8 @@ class PlanMemory:
 
     def _flows_into(self, v: int) -> float:
         """The most bytes per device of a result ``v`` flows into through moves and
-        elementwise equations keeping its shape; inf when it flows into a loop's link.
-        Memoized per value: the partial sums of successive layers share the residual
-        stream they flow along."""
+        elementwise equations keeping its shape. Memoized per value: the partial sums
+        of successive layers share the residual stream they flow along."""
         outs, memo = self._result_bytes, self._flows
         entered: dict[int, list[int]] = {}  # values whose successors are being walked
         todo = [v]
@@ -252,27 +271,22 @@ class PlanMemory:
             nexts = entered.get(u)
             if nexts is None:
                 nexts = entered[u] = self._flows_next(u)
-                waiting = [r for r in nexts if r >= 0 and r not in memo and r not in entered]
+                waiting = [r for r in nexts if r not in memo and r not in entered]
                 if waiting:
                     todo.extend(waiting)
                     continue
             todo.pop()
-            memo[u] = max(
-                (math.inf if r < 0 else max(outs.get(r, -1), memo.get(r, -1)) for r in nexts),
-                default=-1,
-            )
+            memo[u] = max((max(outs.get(r, -1), memo.get(r, -1)) for r in nexts), default=-1)
         return memo[v]
 
     def _flows_next(self, u: int) -> list[int]:
-        """The values `_flows_into` follows from ``u`` (-1 for a loop's link)."""
+        """The values `_flows_into` follows from ``u``."""
         g = self.graph
         found = []
         for a in self._uses[u]:
             app = g.apps[a]
-            if app.kind is AppKind.LINK:
-                return [-1]  # written into a loop's stacked result or carry
-            if u not in app.operands or app.kind is AppKind.TIE:
-                continue
+            if u not in app.operands or app.kind in (AppKind.TIE, AppKind.LINK):
+                continue  # a loop's stack or carry is no buffer XLA writes the sum into
             moves = view_dims(app) is not None
             if not moves and not app.rule.plain:
                 continue

@@ -32,8 +32,10 @@ class MemoryModel:
         """Live intermediates at application ``t``: constant bytes, and per term the
         bytes under each joint choice. Each buffer is priced as
         `jaxshard.cost.memory_estimate` prices it (`buffer_bytes`): a loop's stack in its
-        per-iteration layout, a stack in the buffer of a result written after it. Rows
-        do not depend on the budget: each is computed once per problem."""
+        per-iteration layout, a stack in the buffer of a result it updates, written after
+        it (the estimate also finds a stack room in other results' buffers: there the
+        rows are above it, and the plan found is priced by the estimate itself). Rows do
+        not depend on the budget: each is computed once per problem."""
         found = self._activation_rows.get(t)
         if found is None:
             found = self._activation_rows[t] = self._activation_row(t)
