@@ -437,11 +437,12 @@ def test_a_returned_partial_sum_is_all_reduced_from_a_buffer_of_its_own(line):
 
 
 @pytest.mark.xfail(
+    jax_compat.JAX_VERSION < (0, 11),
     strict=True,
     reason="weights stored with the layer axis second and moved first for the scan: the "
     "estimate puts the moved copies in the new weights' buffers as XLA does, but XLA also "
     "writes the gradients' move back inside the update's fusion, which the estimate holds "
-    "as buffers of their own: 1.20x",
+    "as buffers of their own: 1.12x on JAX 0.10 (1.05x on JAX 0.11+)",
 )
 def test_weights_stored_with_the_layer_axis_second_are_read_where_they_are(line):
     loss, params = _scanned_tanh_blocks(1)
