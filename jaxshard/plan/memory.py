@@ -217,16 +217,14 @@ class PlanMemory:
 
     @functools.cached_property
     def _sliced_in(self) -> dict[int, int]:
-        """Per value a loop's link slices from a stacked input, the first application of
-        the loop's body."""
-        g, found = self.graph, {}
-        starts = getattr(g, "link_body", {})
-        for a, app in enumerate(g.apps):
-            if app.kind is AppKind.LINK:
-                for v, r in zip(app.operands, app.results):
-                    if len(g.shapes[v]) == len(g.shapes[r]) + 1:
-                        found[r] = starts.get(a, a)
-        return found
+        """Per slice of a stacked input a link hands a loop's body (`slices_stack`), the
+        body's first application."""
+        g = self.graph
+        return {
+            g.apps[a].results[0]: g.link_body.get(a, a)
+            for a in range(len(g.apps))
+            if slices_stack(g, a)
+        }
 
     @functools.cached_property
     def _uses(self) -> list[list[int]]:
