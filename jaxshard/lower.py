@@ -190,7 +190,8 @@ def _without(entry: Any, axes: set) -> Any:
 def pinned_values(plan: Plan) -> set[int]:
     """Values the lowered program constrains: hinted values, results of equations with a
     reduction or need-replication factor, and both sides of every predicted reshard and
-    local slice: the value that moves and the results of the equation it moves for.
+    local slice: the value that moves and the results of the equation it moves for (and,
+    where that equation is elementwise and its result is what moves, its operands).
 
     Pinning the results too makes XLA move an operand where the plan says. Left free,
     XLA may carry the operand's layout through the equation and move it later instead:
@@ -213,7 +214,53 @@ def pinned_values(plan: Plan) -> set[int]:
     for a, vid in plan.slices:
         pinned.add(vid)
         pinned.update(g.apps[a].results)
+    # an elementwise equation whose result the plan moves or slices: its operands stay
+    # where they lie. JAX lowers some equations to their operand itself (``x ** 1`` in
+    # optax's first moment, a cast to the type it has): the result's constraint then lands
+    # on the operand, and Shardy gives the operand, and every other reader of it, the
+    # moved layout. A result pinned only in its sliced layout is computed sliced, and
+    # Shardy pulls the finer layout back onto the operands. Either way a gradient norm's
+    # squares were split over one more axis than planned, and summed over it once more
+    moved = [(r.app, r.vid) for r in plan.reshards if not r.partial]
+    for a, vid in (*moved, *plan.slices):
+        app = g.apps[a]
+        if app.kind is AppKind.EQN and app.rule.plain and vid in app.results:
+            pinned.update(o for o in app.operands if g.shapes[o] != ())
+    # a pinned value JAX lowers to its operand itself (``x ** 1``, a cast to its own type,
+    # a copy): its constraint lands on the operand's value, which the operand's other
+    # readers still read unconstrained. Where the pinned value's one reader is a copy
+    # moved for its use (`operands_at_use`), Shardy's apply-sharding-constraints sees a
+    # chain operand -> pin -> moved copy and hands every later reader of the operand the
+    # moved copy (optax's second moment squared the gradient its first moment moved,
+    # moving it back and the square again: one all-to-all more). The operand is pinned
+    # too, so its readers read a constrained value and no chain forms
+    producers = g.producers()
+    todo = list(pinned)
+    while todo:
+        a = producers.get(todo.pop())
+        if a is None or g.apps[a].kind is not AppKind.EQN or not lowers_to_operand(g.apps[a].eqn):
+            continue
+        for o in g.apps[a].operands:
+            if o not in pinned and g.shapes[o] == g.shapes[g.apps[a].results[0]]:
+                pinned.add(o)
+                todo.append(o)
     return pinned
+
+
+def lowers_to_operand(eqn) -> bool:
+    """Whether JAX lowers ``eqn`` to its operand itself, no operation of its own:
+    ``integer_pow`` with ``y=1``, a copy, a cast to the type the operand has.
+
+    Example (``eqn`` an equation ``x ** 1``):
+        >>> lowers_to_operand(eqn)  # doctest: +SKIP
+        True
+    """
+    name = eqn.primitive.name
+    if name == "integer_pow":
+        return eqn.params.get("y") == 1
+    if name == "convert_element_type":
+        return eqn.invars[0].aval.dtype == eqn.outvars[0].aval.dtype
+    return name == "copy"
 
 
 def operands_at_use(plan: Plan) -> dict[int, dict[int, tuple]]:
@@ -352,6 +399,14 @@ class Lowered:
                 continue
             elif len(reshard_steps(*self._without_unit_axes(r.src, r.dst), self._sizes)) > 1:
                 via[r.vid] = Via(r.src, plan.dims[r.vid])
+        for (a, vid), working in plan.sliced_results.items():
+            if plan.graph.apps[a].rule.plain:
+                # an elementwise result the plan computes whole and slices: pinned only
+                # sliced, Shardy computes it sliced and pulls the finer layout back onto
+                # its operands and their other readers, moving them there instead (a
+                # clipped gradient's select, read by a norm's squares, collective-permuted
+                # and all-to-all'd over "fsdp")
+                via.setdefault(vid, Via(working, plan.dims[vid]))
         # per path (a call site of a nested jaxpr): {var: layout} and a hashable key
         self._levels = {}
         for path, env in plan.graph.var_vids.items():

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jaxshard
 import jaxshard.lower
 from jaxshard.explain import explain_plan
+from jaxshard.graph import slices_stack
 from jaxshard.hlo import DTYPE_BYTES, _groups_to_axes, _parse_groups, computation_runs
 from jaxshard.verify import Collective, _match, compiled_collectives, verify
 
@@ -583,5 +584,37 @@ def test_a_scattered_partial_sum_is_reduce_scattered_not_its_updates_moved(mesh)
     planned = jaxshard.auto_shard(mesh, hints)(f)
     plan = planned.plan(*args)
     assert [r.collectives for r in plan.reshards][-1] == ("reduce-scatter over data",)
+    check = plan.verify(planned.lower(*args))
+    assert check.ok, check.surprises
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["forward", "train-step"])
+def test_a_stack_the_loop_reads_in_another_layout_moves_as_xla_moves_it(mesh, train):
+    # the body reads each layer's weight with its columns split, the stack is stored
+    # with its rows split: forward only, XLA moves one slice per iteration; in a train
+    # step the moved slices are the backward pass's residuals, and XLA moves the whole
+    # stack once before the loop
+    def loss(ws, x):
+        def body(h, w):
+            w = jaxshard.hint(w, P(None, "model"))
+            return jnp.tanh(h @ w), None
+
+        return jnp.sum(jax.lax.scan(body, x, ws)[0])
+
+    def step(ws, x):
+        if not train:
+            return loss(ws, x)
+        value, grad = jax.value_and_grad(loss)(ws, x)
+        return value, ws - 0.1 * grad
+
+    args = (
+        jax.ShapeDtypeStruct((2, 64, 64), jnp.float32),
+        jax.ShapeDtypeStruct((16, 64), jnp.float32),
+    )
+    planned = jaxshard.auto_shard(mesh, {r"ws": P(None, "model", None), r"x": P("data")})(step)
+    plan = planned.plan(*args)
+    (moved,) = [r for r in plan.reshards if slices_stack(plan.graph, r.app)]
+    assert moved.collectives == ("all-to-all over model",)
+    assert moved.runs == (1 if train else 2)
     check = plan.verify(planned.lower(*args))
     assert check.ok, check.surprises

@@ -25,7 +25,7 @@ from jaxshard.cost import (
 )
 from jaxshard.graph import AppKind, Graph, readers, slices_stack
 from jaxshard.lattice import DimSharding, slices_locally
-from jaxshard.plan.apps import app_moves, dead_apps, duplicate_app
+from jaxshard.plan.apps import app_moves, dead_apps, duplicate_app, moved_array
 from jaxshard.plan.record import Plan
 from jaxshard.propagate import (
     DEFAULT_RANK,
@@ -332,9 +332,11 @@ def _app_cost(prop: Propagator, a: int, runs: int, reduce_scatter: bool) -> tupl
     g, sizes = prop.graph, prop.axis_sizes
     steps = [step for _, step in prop.halos(a)]
     for vid, src, dst, partial in app_moves(prop, sizes, a)[0]:
-        steps += reshard_collectives(
-            g.shapes[vid], g.dtypes[vid], src, dst, sizes, partial, reduce_scatter
-        )
+        shape, times = g.shapes[vid], 1
+        if not partial:
+            shape, src, dst, times = moved_array(g, prop.state.dims, a, vid, src, dst)
+        move = reshard_collectives(shape, g.dtypes[vid], src, dst, sizes, partial, reduce_scatter)
+        steps += move * times
     return _steps_cost(prop, steps, runs)
 
 

@@ -33,7 +33,7 @@ from jaxshard.cost import (
 from jaxshard.errors import JaxshardBug
 from jaxshard.graph import Graph, contracts
 from jaxshard.lattice import DimSharding, to_spec
-from jaxshard.plan.apps import analyzed_apps, app_moves
+from jaxshard.plan.apps import analyzed_apps, app_moves, moved_array
 from jaxshard.plan.memory import PlanMemory
 from jaxshard.propagate import (
     Conflict,
@@ -155,6 +155,8 @@ class Plan(PlanMemory):
         self.reshards: list[Reshard] = []
         # (application, value) where a value is cut to a finer layout with no collective
         self.slices: list[tuple[int, int]] = []
+        # of those, the results: (application, result) -> the layout it is computed in
+        self.sliced_results: dict[tuple[int, int], tuple[DimSharding, ...]] = {}
         # (application, value, layout): an operand wanted where an earlier use moved it
         self.repeats: list[tuple[int, int, tuple[DimSharding, ...]]] = []
         # the same for a later use that does not contract the operand: moved again
@@ -177,6 +179,7 @@ class Plan(PlanMemory):
         for name in ("conflicts", "reshards", "slices", "repeats", "moved_again", "written"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         self.partial = MappingProxyType(self.partial)
+        self.sliced_results = MappingProxyType(self.sliced_results)
         self._frozen = True
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -268,21 +271,28 @@ class Plan(PlanMemory):
     def _add_reshard(self, a, vid, src, dst, partial, returned_as: int | None = None) -> None:
         """Value ``vid`` of application ``a`` moves from ``src`` to ``dst`` (``returned_as``:
         into result leaf ``returned_as``'s buffer, after the step); a move with no
-        collective is a local slice, recorded for an operand only."""
+        collective is a local slice (not recorded for a returned value), and a result's
+        slice also keeps the layout it is computed in (`sliced_results`). A loop's slice
+        of a stack moves as `moved_array` says: per iteration, or the whole stack once."""
         g = self.graph
+        shape, moved, times = g.shapes[vid], (src, dst), 1
+        if returned_as is None and not partial:
+            shape, *moved, times = moved_array(g, self.dims, a, vid, src, dst)
         steps = reshard_collectives(
-            g.shapes[vid], g.dtypes[vid], src, dst, self.axis_sizes, partial, self._reduce_scatter
+            shape, g.dtypes[vid], *moved, self.axis_sizes, partial, self._reduce_scatter
         )
         if not steps:
             if returned_as is None:
                 self.slices.append((a, vid))
+                if vid in g.apps[a].results:
+                    self.sliced_results[(a, vid)] = tuple(src)
         else:
             where = g.apps[a].describe()
             where += "" if returned_as is None else f", returned as out/{returned_as}"
             where += ", the loop carry's next iteration" if a in g.carry_links else ""
             self.reshards.append(
                 Reshard(a, vid, src, dst, partial, tuple(steps), where,
-                        self._runs[a], self._in_while[a])
+                        self._runs[a] * times, self._in_while[a])
             )  # fmt: skip
 
     # --- the public views ------------------------------------------------------------
