@@ -9,16 +9,25 @@ pytest.importorskip("maxtext", reason="MaxText is not installed (see the README)
 import maxtext_llama  # noqa: E402
 
 
+def _built(model: str, scan: bool = True):
+    """MaxText's tiny step and its own program's row (loss, bytes, memory)."""
+    m = maxtext_llama.build(model, scan=scan)
+    return m, maxtext_llama.maxtext_row(m)
+
+
 @pytest.fixture(scope="module")
 def llama():
-    m = maxtext_llama.build("llama2", scan=True)
-    return m, maxtext_llama.maxtext_row(m)
+    return _built("llama2")
 
 
 @pytest.fixture(scope="module")
 def mixtral():
-    m = maxtext_llama.build("mixtral", scan=True)
-    return m, maxtext_llama.maxtext_row(m)
+    return _built("mixtral")
+
+
+@pytest.fixture(scope="module")
+def llama_unrolled():
+    return _built("llama2", scan=False)
 
 
 def test_maxtexts_rules_give_its_layouts_and_its_loss(llama):
@@ -44,12 +53,6 @@ def test_maxtexts_rules_cost_no_more_memory_than_maxtext(llama):
     row = maxtext_llama.jaxshard_row(m, "rules")
     assert row.memory <= 1.02 * reference.memory
     assert row.surprises == 0
-
-
-@pytest.fixture(scope="module")
-def llama_unrolled():
-    m = maxtext_llama.build("llama2", scan=False)
-    return m, maxtext_llama.maxtext_row(m)
 
 
 def test_maxtexts_rules_plan_its_unrolled_step_as_it_compiles(llama_unrolled):
