@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxshard
 import jaxshard.lower
+from jaxshard import jax_compat
 from jaxshard.explain import explain_plan
 from jaxshard.graph import slices_stack
 from jaxshard.hlo import DTYPE_BYTES, _groups_to_axes, _parse_groups, computation_runs
@@ -588,7 +589,19 @@ def test_a_scattered_partial_sum_is_reduce_scattered_not_its_updates_moved(mesh)
     assert check.ok, check.surprises
 
 
-@pytest.mark.parametrize("train", [False, True], ids=["forward", "train-step"])
+# JAX 0.11+'s Shardy moves the slice inside the loop by an all-gather of the whole slice
+# and a local slice, which its partitioner warns about (b/433785288): 4x the bytes
+_SHARDY_GATHERS = pytest.mark.xfail(
+    jax_compat.JAX_VERSION >= (0, 11),
+    strict=True,
+    reason="JAX 0.11+ all-gathers a slice moved inside a loop (16 KiB, not a 4 KiB all-to-all)",
+)
+
+
+@pytest.mark.parametrize(
+    "train",
+    [pytest.param(False, id="forward", marks=_SHARDY_GATHERS), pytest.param(True, id="train-step")],
+)
 def test_a_stack_the_loop_reads_in_another_layout_moves_as_xla_moves_it(mesh, train):
     # the body reads each layer's weight with its columns split, the stack is stored
     # with its rows split: forward only, XLA moves one slice per iteration; in a train
