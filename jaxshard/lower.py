@@ -222,7 +222,7 @@ def pinned_values(plan: Plan) -> set[int]:
     # Shardy pulls the finer layout back onto the operands. Either way a gradient norm's
     # squares were split over one more axis than planned, and summed over it once more
     moved = [(r.app, r.vid) for r in plan.reshards if not r.partial]
-    for a, vid in (*moved, *plan.slices):
+    for a, vid in (*moved, *plan.sliced_results):
         app = g.apps[a]
         if app.kind is AppKind.EQN and app.rule.plain and vid in app.results:
             pinned.update(o for o in app.operands if g.shapes[o] != ())

@@ -155,8 +155,9 @@ def moved_array(
     return g.shapes[stack], lead + tuple(src), lead + tuple(dst), 1
 
 
-# equations that hand their operand on as it is: a sharding hint or constraint, a copy
-_PASSED_ON = frozenset({"jaxshard_hint", "sharding_constraint", "copy", "copy_p"})
+# equations that hand their operand on as it is (a `jaxshard.hint` is no equation of the
+# graph: it pins the value it reads)
+_PASSED_ON = frozenset({"sharding_constraint", "copy", "copy_p"})
 
 
 def _wanted_whole(g: Graph, dims, a: int, stack: int, piece: int, layout: tuple) -> bool:
