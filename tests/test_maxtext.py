@@ -88,6 +88,17 @@ def test_maxtexts_rules_plan_its_moe_step_as_it_compiles(mixtral):
     assert row.surprises == 0
 
 
+def test_the_search_plans_the_moe_step_within_maxtexts_memory(mixtral):
+    # MaxText's constraints put the activations' embedding dim on "tensor": the search
+    # is free to give the expert weights' hidden dim "tensor" all the same (gathering
+    # the tokens), and stores the weights over "fsdp" within MaxText's compiled memory
+    m, reference = mixtral
+    row = maxtext_llama.jaxshard_row(m, "search", budget=reference.memory)
+    assert row.loss == pytest.approx(reference.loss, rel=1e-5)
+    assert row.memory <= reference.memory
+    assert row.bytes <= 1.05 * reference.bytes
+
+
 def test_the_batch_hint_alone_plans_maxtext_and_matches_its_loss(llama):
     m, reference = llama
     row = maxtext_llama.jaxshard_row(m, "batch")
@@ -111,7 +122,8 @@ def test_maxtexts_real_step_compiles_as_predicted_with_its_rules(model):
     # compiled from abstract arguments: with MaxText's rules the predicted bytes hold once
     # compiled, the plan moves fewer bytes than MaxText's own program in at most 1.02x its
     # memory, and the memory estimate holds (mixtral's within 25%: XLA puts the expert
-    # stacks moved for the scan in buffers the estimate holds apart)
+    # stacks moved for the scan in buffers the estimate holds apart); so does the
+    # search's, within MaxText's memory
     import os
     import subprocess
     import sys
@@ -133,3 +145,12 @@ def test_maxtexts_real_step_compiles_as_predicted_with_its_rules(model):
     assert estimated == pytest.approx(held, rel=0.1 if model == "llama2" else 0.25)
     bytes_ratio, memory_ratio = (float(x.strip().rstrip("x")) for x in rules[3].split(","))
     assert bytes_ratio <= 1.0 and memory_ratio <= 1.02  # against MaxText's own program
+    # the search from the batch hint, with MaxText's compiled memory as its budget: a
+    # plan that compiles within it, moving at most 1.05x MaxText's bytes, as predicted
+    search = rows["jaxshard, search"]
+    predicted, compiled = gib(search[1])
+    estimated, held = gib(search[2])
+    assert predicted == pytest.approx(compiled, rel=0.01)
+    assert estimated == pytest.approx(held, rel=0.1)
+    bytes_ratio, memory_ratio = (float(x.strip().rstrip("x")) for x in search[3].split(","))
+    assert bytes_ratio <= 1.05 and memory_ratio <= 1.0

@@ -796,3 +796,27 @@ def test_the_users_fsdp_hints_are_storage_in_the_search_as_in_planning(name, fsd
     result = search_hints(step, args, {}, mesh, hints, memory_budget=budget)
     assert result.estimated_bytes == pytest.approx(result.predicted_bytes, rel=0.1)
     assert result.memory_bytes <= budget
+
+
+@pytest.mark.filterwarnings("ignore:jaxshard's plan is estimated")
+@pytest.mark.filterwarnings("ignore:jaxshard search did not prove")
+@pytest.mark.parametrize("layer_second", [False, True])
+def test_a_constraint_in_the_step_lays_out_its_value_not_the_weights(mesh, layer_second):
+    """MaxText's pattern (`maxtext_like`): constraints in the step put the activations'
+    embedding dim on "model". That says where those activations are, not where the
+    weights must be: from the batch hint alone, within the memory of MaxText's own
+    layout, the search gives the weights' hidden dim "model" (the activations gathered
+    for the matmuls, as MaxText gathers them) and stores their embedding dim over
+    "data", moving no more than MaxText's layout. Tying the weights' embedding dim to the
+    constraints' "model" left no layout within that memory."""
+    step, args, hints = maxtext_like(layer_second)
+    own = jaxshard.auto_shard(mesh, hints)(step).plan(*args)
+    budget = own.estimated_memory.total
+    result = search_hints(step, args, {}, mesh, {"x": P("data")}, memory_budget=budget)
+    assert result.memory_bytes <= budget
+    assert result.plan.predicted_bytes <= own.predicted_bytes
+    w1, w2 = result.hints["p/w1"], result.hints["p/w2"]
+    assert w1[2] == "model" and w2[0 if layer_second else 1] == "model", (w1, w2)
+    searched = jaxshard.auto_shard(mesh, {"x": P("data"), **result.hints})(step)
+    with jax.set_mesh(mesh):
+        assert_leaves_match(searched(*args), jax.jit(step)(*args))

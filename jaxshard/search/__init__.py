@@ -10,7 +10,13 @@ Outline, module by module:
    a factor would put one class on two dims of a tensor (attention's query and key
    positions of one sequence) or on two factors of one equation, that dim is cut from
    the factor instead and the equation prices moving it (the keys gathered for a
-   sequence split over a mesh axis): the positions stay one decision. A class
+   sequence split over a mesh axis): the positions stay one decision. A sharding
+   constraint inside the step lays out its value, not the state behind it: where a
+   class the program pins meets one holding an open dim of state, the dim least its own
+   layout is cut (a state leaf's own dim, or a result made from state without passing
+   a pin, such as a weight's gradient, before a pinned value's, before the rest), so
+   MaxText's activations may keep "tensor" on their embedding dim while its weights
+   take it on their hidden dim. A class
    is pinned by a hint, decided if it holds a dim of an undecided argument, else
    replicated. Repeated layers share decisions: arguments are grouped by their path with
    layer indices as ``*`` (``params/layers/*/attn/wq``) and shape, optimizer state joins
@@ -30,7 +36,9 @@ Outline, module by module:
    it), and equations with the same rule and decisions count once with their multiplicity, so a
    48-layer model costs little more than a 12-layer one.
 2. `memory` prices per-device memory (a mixin of the problem): arguments, results and the
-   live activations at an equation, per joint choice of the decisions they depend on;
+   live activations at an equation, per joint choice of the decisions they depend on
+   (with the copies cut dims are moved to, one per layout and XLA computation, alive
+   from the first equation that moves them to the last: `memory.Moved`);
    buffers are counted as XLA's fusion leaves them (`memory.fused_liveness`), so that a
    budget compares with the compiled program's memory.
 3. `solver` writes the integer program for HiGHS (``highspy``): a one-hot variable per

@@ -39,6 +39,12 @@ _EXTRA_TIEBREAK = 1e-2  # µs per leaf stored with an extra axis
 # (`Problem._follow`): past it the integer program grows slow to solve
 FOLLOW_COMBOS = 64
 
+# what a (value, dim) is at one equation, in the order `_classes` keeps a dim in its
+# factor's class where a class the program pins meets one of state: the lower is cut and
+# moved. `_OWN_MADE` is a result made from state without passing a pin (a weight's
+# gradient, a projection's output)
+_OWN_OTHER, _OWN_PINNED, _OWN_MADE, _OWN_STATE = 0, 1, 2, 3
+
 
 class Scope(StrEnum):
     """What an extra storage axis holds: the optimizer state alone (ZeRO-1), or the
@@ -150,7 +156,9 @@ class DimClasses:
         unless that would give one tensor two dims of one class or one equation one class
         on two factors (attention's query and key positions, ``x.T @ x``): that dim is
         *cut* from the factor (`cuts`), and the equation moves it between its class's
-        layout and the factor's (`_app_cost`), so the sequence stays a decision."""
+        layout and the factor's (`_app_cost`), so the sequence stays a decision. Where a
+        class a constraint in the step pins would meet one holding an open dim of state,
+        the dim with the weakest claim to its own layout is cut instead (`_OWN_*`)."""
         g = self.graph
         offset = np.zeros(len(g.shapes) + 1, dtype=np.int64)
         offset[1:] = np.cumsum([len(s) for s in g.shapes])
@@ -163,6 +171,17 @@ class DimClasses:
         for v, shape in enumerate(g.shapes):
             for d, s in enumerate(shape):
                 size[offset[v] + d] = s
+        # what a dim is on its own (`_OWN_*`), and per root whether its class holds a dim
+        # the program pins (a sharding constraint: a layout at that point) and one of
+        # state the search lays out
+        own = self._own_kinds(n)
+        made = self._made_from_state(own, offset)
+        pinned_cls = [k == _OWN_PINNED for k in own]
+        state_cls = [k == _OWN_STATE or m for k, m in zip(own, made)]
+
+        def rank(t: int, d: int, n_operands: int) -> int:
+            k = int(offset[vids[t]]) + d
+            return _OWN_MADE if own[k] == _OWN_OTHER and t >= n_operands and made[k] else own[k]
 
         def held(k: int) -> set[int]:
             v = int(owner[k])
@@ -182,7 +201,13 @@ class DimClasses:
             values.pop(k, None)
             parent[k] = other
             size[other] = math.gcd(size[other], size[k])
+            pinned_cls[other] |= pinned_cls[k]
+            state_cls[other] |= state_cls[k]
             return other
+
+        def clash(k: int, other: int) -> bool:
+            """A class the program pins meeting a class of state the search lays out."""
+            return (pinned_cls[k] and state_cls[other]) or (state_cls[k] and pinned_cls[other])
 
         # the mesh axes a size splits over: a class joining a factor of a size fewer of
         # them divide would lose those layouts for every member (64 query heads behind a
@@ -211,6 +236,7 @@ class DimClasses:
                 majors[id(rule)] = entries
             vids = (*app.operands, *app.results)
             first: dict[int, int] = {}
+            joined: dict[int, list[tuple[int, int]]] = {}  # per factor: the dims it holds
             cut = []
             narrowed: list[tuple[int, int, int]] = []
             for t, d, f in entries:
@@ -233,15 +259,33 @@ class DimClasses:
                         cut.append((t, d))
                         continue
                     first[f] = k
+                    joined[f] = [(t, d)]
                     continue
                 other = find_root(parent, other)
                 if other == k:
+                    joined[f].append((t, d))
+                    continue
+                if clash(k, other) and claims.get(k, f) == f:
+                    # a layout the program pins is no reason to lay state out so: the
+                    # weight of a projection whose input a constraint splits over
+                    # "tensor" may be stored otherwise (MaxText: activations' embedding
+                    # dim on "tensor", the weights' on "fsdp"). The dim that is least
+                    # its own layout moves: state before a pinned value before the rest
+                    n_ops = len(rule.operands)
+                    mine = rank(t, d, n_ops)
+                    theirs = max(rank(t2, d2, n_ops) for t2, d2 in joined[f])
+                    if mine > theirs:
+                        cut += joined[f]
+                        first[f], joined[f] = k, [(t, d)]
+                    else:
+                        cut.append((t, d))
                     continue
                 root = None if claims.get(k, f) != f else union(k, other)
                 if root is None:
                     cut.append((t, d))
                     continue
                 first[f] = root
+                joined[f].append((t, d))
             if cut:
                 self.cuts[a] = frozenset(cut)
             # a dim cut for its size, with a dim of this equation its factor's class holds
@@ -252,6 +296,50 @@ class DimClasses:
                     self.narrowed.append((vids[t], d, vids[kept[0]], kept[1]))
         self.root = [find_root(parent, k) for k in range(n)]
         self.class_size = size
+
+    def _own_kinds(self, n: int) -> list[int]:
+        """Per (value, dim), flat: `_OWN_STATE` for an open dim of state (an argument the
+        step returns, that no hint pins there), `_OWN_PINNED` for a dim a pin inside the
+        program lays out (a sharding constraint, `jaxshard.hint`), else `_OWN_OTHER`."""
+        g, offset = self.graph, self.offset
+        own = [_OWN_OTHER] * n
+        arguments = set(g.in_vids)
+        for v, dims in self.pins.items():
+            if v not in arguments:
+                for d, axes in enumerate(dims):
+                    if axes is not None:
+                        own[int(offset[v]) + d] = _OWN_PINNED
+        for i, _ in g.ties:
+            v = g.in_vids[i]
+            pin = self.pins.get(v)
+            for d, s in enumerate(g.shapes[v]):
+                if s > 1 and (pin is None or pin[d] is None):
+                    own[int(offset[v]) + d] = _OWN_STATE
+        return own
+
+    def _made_from_state(self, own: list[int], offset) -> list[bool]:
+        """Per (value, dim), flat: whether rule factors tie it to an open dim of state
+        without passing a dim the program pins (a weight's gradient, through the optimizer's
+        update, to the weight): at the equation that makes it, such a dim keeps its
+        factor's layout against a pinned operand (`_classes`)."""
+        g = self.graph
+        parent = list(range(len(own)))
+        for app in g.apps:
+            rule = app.rule
+            vids = (*app.operands, *app.results)
+            first: dict[int, int] = {}
+            for t, dims in enumerate((*rule.operands, *rule.results)):
+                for d, fl in enumerate(dims):
+                    big = [f for f in fl if rule.factors[f].size > 1]
+                    k = int(offset[vids[t]]) + d
+                    if not big or own[k] == _OWN_PINNED:
+                        continue
+                    other = first.setdefault(big[0], k)
+                    a, b = find_root(parent, k), find_root(parent, other)
+                    if a != b:
+                        parent[a] = b
+        state = {find_root(parent, k) for k, kind in enumerate(own) if kind == _OWN_STATE}
+        return [kind != _OWN_PINNED and find_root(parent, k) in state for k, kind in enumerate(own)]
 
     def _key(self, v: int, d: int) -> int:
         return self.root[int(self.offset[v]) + d]

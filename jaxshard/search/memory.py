@@ -5,6 +5,7 @@ activations at an equation, per joint choice of the decisions they depend on. A 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,8 +17,27 @@ from jaxshard.cost import (  # noqa: F401 (fused_liveness re-exported)
     memory_estimate,
     nbytes,
     per_device_bytes,
+    xla_scope,
 )
 from jaxshard.graph import stack_results
+from jaxshard.search.refs import UNSPLIT, decision_of
+
+# the most joint choices one value's moved copies are priced over; past it each move is
+# priced apart (XLA's shared copy of one layout may then be counted more than once)
+MOVED_COMBOS = 256
+
+
+class Moved(NamedTuple):
+    """The copies of value ``vid`` an XLA computation moves for the equations that read
+    it with a dim cut from their factor (`DimClasses._classes`), alive from the first such
+    reader to the last (XLA moves a value once per layout and computation: the copy
+    gathered for a projection's forward serves its backward): per cut dim, the factor's
+    class; for a result, the buffer it is computed in before its move (at ``first``)."""
+
+    vid: int
+    first: int
+    last: int
+    cuts: tuple[tuple[int, object], ...]  # (dim, the factor's class reference)
 
 
 class MemoryModel:
@@ -69,6 +89,17 @@ class MemoryModel:
             row = rows.setdefault(term.decisions, np.zeros(len(term.time)))
             for n, choice in self._combos(term):
                 row[n] += count * self._buffer(v, inner, fills, choice)
+        for item in self.moved:
+            if not item.first <= t <= item.last:
+                continue
+            free = self._moved_decisions(item)
+            if not free:
+                const += self.moved_bytes(item, {})
+                continue
+            term = self._term(free)
+            row = rows.setdefault(term.decisions, np.zeros(len(term.time)))
+            for n, choice in self._combos(term):
+                row[n] += self.moved_bytes(item, choice)
         # a parameter stored apart (FSDP) is gathered for its uses, and XLA keeps the
         # gathered copy from the forward's use to the backward's
         for i, (first, last) in self.gathered_span.items():
@@ -81,6 +112,74 @@ class MemoryModel:
                 for n, choice in self._combos(term):
                     row[n] += self.gathered_bytes(i, choice)
         return const, rows
+
+    def _moved_terms(self) -> None:
+        """The copies equations with cut dims move their operands to, or compute their
+        results in (`Moved`), grouped per value and XLA computation, each with a joint
+        term over the decisions its layouts depend on, made before the integer program
+        is (memory rows added while solving use them)."""
+        g = self.graph
+        found: dict[tuple, list] = {}
+        for a, cut in self.cuts.items():
+            if a in self.dead:
+                continue
+            app = g.apps[a]
+            rule = app.rule
+            vids = (*app.operands, *app.results)
+            tensors = (*rule.operands, *rule.results)
+            majors = {}
+            for t, dims in enumerate(tensors):
+                for d, fl in enumerate(dims):
+                    big = [f for f in fl if rule.factors[f].size > 1 or rule.factors[f].window]
+                    if big:
+                        majors[t, d] = big[0]
+            holder = {}  # factor -> the class of the first dim not cut from it
+            for (t, d), f in majors.items():
+                if (t, d) not in cut and f not in holder:
+                    holder[f] = self.refs(vids[t])[d]
+            scope = xla_scope(app.where)
+            for t, d in sorted(cut):
+                if (t, d) not in majors:
+                    continue
+                entry = (d, holder.get(majors[t, d], UNSPLIT))
+                if t >= len(rule.operands):  # a result: its work buffer, at this equation
+                    found.setdefault((vids[t], a), [a, a, set()])[2].add(entry)
+                    continue
+                span = found.setdefault((vids[t], scope), [a, a, set()])
+                span[0], span[1] = min(span[0], a), max(span[1], a)
+                span[2].add(entry)
+        self.moved: list[Moved] = []
+        for (v, _), (first, last, entries) in found.items():
+            item = Moved(v, first, last, tuple(sorted(entries, key=repr)))
+            parts = [item]
+            free = self._moved_decisions(item)
+            if math.prod(len(self.decisions[x].candidates) for x in free) > MOVED_COMBOS:
+                parts = [item._replace(cuts=(e,)) for e in item.cuts]
+            for part in parts:
+                self.moved.append(part)
+                free = self._moved_decisions(part)
+                if len(free) > 1:
+                    self._term(free)
+
+    def _moved_decisions(self, item: Moved) -> set[int]:
+        refs = (*self.refs(item.vid), *(r for _, r in item.cuts))
+        return {x for x in map(decision_of, refs) if x is not None}
+
+    def moved_bytes(self, item: Moved, choice) -> int:
+        """Per-device bytes of ``item``'s copies under a choice: one per distinct layout
+        its cut dims move it to, none where a cut dim's factor has the value's own axes."""
+        g, v = self.graph, item.vid
+        lay = [tuple(self.axes(r, choice)) for r in self.refs(v)]
+        layouts = set()
+        for d, ref in item.cuts:
+            axes = tuple(self.axes(ref, choice))
+            if axes == lay[d]:
+                continue
+            layouts.add(tuple(
+                axes if e == d else tuple(x for x in have if x not in axes)
+                for e, have in enumerate(lay)
+            ))  # fmt: skip
+        return sum(per_device_bytes(g.shapes[v], g.dtypes[v], m, self.sizes) for m in layouts)
 
     def _stack_terms(self) -> None:
         """A joint term for each loop stack's decisions (its own, its per-iteration
@@ -209,4 +308,5 @@ class MemoryModel:
             (first, last, self.gathered_bytes(i, choice))
             for i, (first, last) in self.gathered_span.items()
         ]
+        spans += [(m.first, m.last, self.moved_bytes(m, choice)) for m in self.moved]
         return memory_estimate(self.graph, dims, self.sizes, out_dims, self.live, spans)

@@ -95,6 +95,7 @@ class Problem(DimClasses, Terms, MemoryModel):
         self._app_terms()
         self._group_terms()
         self._stack_terms()
+        self._moved_terms()
         self.static = self._static_memory()
 
     def _leaf_bytes(self, i: int) -> int:
