@@ -88,6 +88,7 @@ def test_maxtexts_rules_plan_its_moe_step_as_it_compiles(mixtral):
     assert row.surprises == 0
 
 
+@pytest.mark.filterwarnings("ignore:jaxshard's plan is estimated")  # within 5% of it
 def test_the_search_plans_the_moe_step_within_maxtexts_memory(mixtral):
     # MaxText's constraints put the activations' embedding dim on "tensor": the search
     # is free to give the expert weights' hidden dim "tensor" all the same (gathering
