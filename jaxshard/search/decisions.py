@@ -220,6 +220,9 @@ class DimClasses:
             return any((a % n == 0 or b % n == 0) and both % n for n in splits)
 
         self.cuts: dict[int, frozenset[tuple[int, int]]] = {}
+        # per equation, the dims cut where a pinned class met one of state: their moved
+        # copies are priced in memory (`MemoryModel._moved_terms`)
+        self.pin_cuts: dict[int, list[tuple[int, int]]] = {}
         # (value, dim) cut for its size from the class of (value, dim) of its factor
         self.narrowed: list[tuple[int, int, int, int]] = []
         majors: dict[int, list[tuple[int, int]]] = {}  # per rule: (tensor, dim, factor)
@@ -274,11 +277,11 @@ class DimClasses:
                     n_ops = len(rule.operands)
                     mine = rank(t, d, n_ops)
                     theirs = max(rank(t2, d2, n_ops) for t2, d2 in joined[f])
+                    moved = joined[f] if mine > theirs else [(t, d)]
                     if mine > theirs:
-                        cut += joined[f]
                         first[f], joined[f] = k, [(t, d)]
-                    else:
-                        cut.append((t, d))
+                    cut += moved
+                    self.pin_cuts.setdefault(a, []).extend(moved)
                     continue
                 root = None if claims.get(k, f) != f else union(k, other)
                 if root is None:

@@ -114,15 +114,20 @@ class MemoryModel:
         return const, rows
 
     def _moved_terms(self) -> None:
-        """The copies equations with cut dims move their operands to, or compute their
-        results in (`Moved`), grouped per value and XLA computation, each with a joint
-        term over the decisions its layouts depend on, made before the integer program
-        is (memory rows added while solving use them)."""
+        """The copies equations move their operands to, or compute their results in,
+        where a dim was cut for a class the program pins (`Moved`; the step's constraints
+        against the layouts of state), grouped per value and XLA computation, each with a
+        joint term over the decisions its layouts depend on, made before the integer
+        program is (memory rows added while solving use them). The other cuts (the keys'
+        positions of attention, heads repeated for grouped queries) move small or
+        short-lived copies that XLA fuses into their readers: the model leaves them out,
+        as the compiled programs of the scale benchmark measure."""
         g = self.graph
         found: dict[tuple, list] = {}
-        for a, cut in self.cuts.items():
+        for a, moved in self.pin_cuts.items():
             if a in self.dead:
                 continue
+            cut = self.cuts[a]
             app = g.apps[a]
             rule = app.rule
             vids = (*app.operands, *app.results)
@@ -138,7 +143,7 @@ class MemoryModel:
                 if (t, d) not in cut and f not in holder:
                     holder[f] = self.refs(vids[t])[d]
             scope = xla_scope(app.where)
-            for t, d in sorted(cut):
+            for t, d in sorted(moved):
                 if (t, d) not in majors:
                     continue
                 entry = (d, holder.get(majors[t, d], UNSPLIT))
