@@ -14,6 +14,7 @@ from jaxshard.graph import AppKind, Graph, contracts, slices_stack
 from jaxshard.lattice import DimSharding, slices_locally
 from jaxshard.propagate import (
     Propagator,
+    _copies_operand,
 )
 from jaxshard.rule import FactorKind
 
@@ -155,11 +156,6 @@ def moved_array(
     return g.shapes[stack], lead + tuple(src), lead + tuple(dst), 1
 
 
-# equations that hand their operand on as it is (a `jaxshard.hint` is no equation of the
-# graph: it pins the value it reads)
-_PASSED_ON = frozenset({"sharding_constraint", "copy", "copy_p"})
-
-
 def _wanted_whole(g: Graph, dims, a: int, stack: int, piece: int, layout: tuple) -> bool:
     """Whether the stack link ``a`` slices into ``piece`` (read in ``layout``) is wanted
     whole in that layout: another loop slices it so, or the body stacks ``piece`` (or
@@ -186,7 +182,7 @@ def _wanted_whole(g: Graph, dims, a: int, stack: int, piece: int, layout: tuple)
                 return True  # an out-link's result is the body's value it stacks
             if v not in app.operands:
                 continue
-            if app.eqn is not None and app.eqn.primitive.name in _PASSED_ON:
+            if _copies_operand(app):  # handed on as it is
                 todo.extend(r for r in app.results if r not in seen and not seen.add(r))
     return False
 

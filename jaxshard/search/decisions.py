@@ -179,7 +179,7 @@ class DimClasses:
         pinned_cls = [k == _OWN_PINNED for k in own]
         state_cls = [k == _OWN_STATE or m for k, m in zip(own, made)]
 
-        def rank(t: int, d: int, n_operands: int) -> int:
+        def rank(vids: tuple[int, ...], t: int, d: int, n_operands: int) -> int:
             k = int(offset[vids[t]]) + d
             return _OWN_MADE if own[k] == _OWN_OTHER and t >= n_operands and made[k] else own[k]
 
@@ -225,18 +225,9 @@ class DimClasses:
         self.pin_cuts: dict[int, list[tuple[int, int]]] = {}
         # (value, dim) cut for its size from the class of (value, dim) of its factor
         self.narrowed: list[tuple[int, int, int, int]] = []
-        majors: dict[int, list[tuple[int, int]]] = {}  # per rule: (tensor, dim, factor)
         for a, app in enumerate(g.apps):
             rule = app.rule
-            entries = majors.get(id(rule))
-            if entries is None:
-                entries = []
-                for t, dims in enumerate((*rule.operands, *rule.results)):
-                    for d, fl in enumerate(dims):
-                        big = [f for f in fl if rule.factors[f].size > 1]
-                        if big:
-                            entries.append((t, d, big[0]))
-                majors[id(rule)] = entries
+            entries = self._majors(rule)
             vids = (*app.operands, *app.results)
             first: dict[int, int] = {}
             joined: dict[int, list[tuple[int, int]]] = {}  # per factor: the dims it holds
@@ -275,8 +266,8 @@ class DimClasses:
                     # dim on "tensor", the weights' on "fsdp"). The dim that is least
                     # its own layout moves: state before a pinned value before the rest
                     n_ops = len(rule.operands)
-                    mine = rank(t, d, n_ops)
-                    theirs = max(rank(t2, d2, n_ops) for t2, d2 in joined[f])
+                    mine = rank(vids, t, d, n_ops)
+                    theirs = max(rank(vids, t2, d2, n_ops) for t2, d2 in joined[f])
                     moved = joined[f] if mine > theirs else [(t, d)]
                     if mine > theirs:
                         first[f], joined[f] = k, [(t, d)]
@@ -299,6 +290,20 @@ class DimClasses:
                     self.narrowed.append((vids[t], d, vids[kept[0]], kept[1]))
         self.root = [find_root(parent, k) for k in range(n)]
         self.class_size = size
+
+    def _majors(self, rule) -> list[tuple[int, int, int]]:
+        """Per dim of ``rule``'s tensors that a factor of size > 1 spans: ``(tensor, dim,
+        its major factor)``, tensors numbered operands first (cached per rule)."""
+        cache = self.__dict__.setdefault("_majors_cache", {})
+        entries = cache.get(id(rule))
+        if entries is None:
+            entries = cache[id(rule)] = [
+                (t, d, big[0])
+                for t, dims in enumerate((*rule.operands, *rule.results))
+                for d, fl in enumerate(dims)
+                if (big := [f for f in fl if rule.factors[f].size > 1])
+            ]
+        return entries
 
     def _own_kinds(self, n: int) -> list[int]:
         """Per (value, dim), flat: `_OWN_STATE` for an open dim of state (an argument the
@@ -328,19 +333,15 @@ class DimClasses:
         g = self.graph
         parent = list(range(len(own)))
         for app in g.apps:
-            rule = app.rule
             vids = (*app.operands, *app.results)
             first: dict[int, int] = {}
-            for t, dims in enumerate((*rule.operands, *rule.results)):
-                for d, fl in enumerate(dims):
-                    big = [f for f in fl if rule.factors[f].size > 1]
-                    k = int(offset[vids[t]]) + d
-                    if not big or own[k] == _OWN_PINNED:
-                        continue
-                    other = first.setdefault(big[0], k)
-                    a, b = find_root(parent, k), find_root(parent, other)
-                    if a != b:
-                        parent[a] = b
+            for t, d, f in self._majors(app.rule):
+                k = int(offset[vids[t]]) + d
+                if own[k] == _OWN_PINNED:
+                    continue
+                a, b = find_root(parent, k), find_root(parent, first.setdefault(f, k))
+                if a != b:
+                    parent[a] = b
         state = {find_root(parent, k) for k, kind in enumerate(own) if kind == _OWN_STATE}
         return [kind != _OWN_PINNED and find_root(parent, k) in state for k, kind in enumerate(own)]
 
