@@ -135,6 +135,9 @@ class Graph:
     # while building: per primitive its registry entries; per equation object its rule
     dispatch: dict[Any, tuple] = field(default_factory=dict, repr=False)
     eqn_rules: dict[int, Rule] = field(default_factory=dict, repr=False)
+    # the values literal operands make, by value: a literal passed into a call is the
+    # call's inner input too (XLA's common-subexpression pass sees the constant)
+    literals: dict[int, Literal] = field(default_factory=dict, repr=False)
     # results computed from the finished graph, kept for the next asker (`dead_apps`)
     memo: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -374,7 +377,9 @@ def _build(
 
     def read(var: Any) -> int:
         if isinstance(var, Literal):
-            return g.new_value(var.aval)
+            vid = g.new_value(var.aval)
+            g.literals[vid] = var
+            return vid
         return env[var]
 
     for var in jaxpr.constvars:

@@ -25,6 +25,7 @@ from jaxshard.cost.collectives import (  # noqa: F401
     has_reduce_scatter,
     partial_groups,
     pending_sums,
+    recomputes_remat,
     reduces_in_place,
     reshard_collectives,
     reshard_cost,

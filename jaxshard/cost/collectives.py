@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from jax.sharding import AbstractMesh
 
+from jaxshard import jax_compat
 from jaxshard.cost.sizes import (
     CollectiveKind,
     itemsize,
@@ -698,6 +699,21 @@ def has_reduce_scatter(mesh) -> bool:
         False
     """
     return _platform(mesh) != "cpu"
+
+
+def recomputes_remat(mesh) -> bool:
+    """Whether the devices of ``mesh`` recompute a layer rematerialized with
+    ``jax.checkpoint`` outside a loop (`jaxshard.cost.liveness`): accelerators do; XLA's
+    CPU backend does from JAX 0.11 (`jax_compat.CPU_RECOMPUTES_REMAT`), while JAX 0.10's
+    merges the recomputation with the forward.
+
+    Example:
+        >>> import jax
+        >>> from jaxshard import jax_compat
+        >>> recomputes_remat(jax.make_mesh((1,), ("data",))) == jax_compat.CPU_RECOMPUTES_REMAT
+        True
+    """
+    return _platform(mesh) != "cpu" or jax_compat.CPU_RECOMPUTES_REMAT
 
 
 def combines_all_reduces(mesh) -> bool:

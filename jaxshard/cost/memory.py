@@ -112,7 +112,7 @@ def fused_liveness(
     def scope(a: int) -> tuple:
         hit = scopes.get(a)
         if hit is None:
-            hit = scopes[a] = xla_scope(graph.apps[a].where)
+            hit = scopes[a] = xla_scope(graph.apps[a].where, live.inlined)
         return hit
 
     # a value read inside a loop it is not made in is the loop's operand: XLA fuses only
@@ -195,7 +195,7 @@ def fused_liveness(
                 break
     return Liveness(
         owner, live.start, end, kept, live.stacked, live.schedule, squeezable, live.span,
-        live.results_from,
+        live.results_from, live.inlined,
     )  # fmt: skip
 
 
@@ -562,7 +562,9 @@ def transposed_operands(
             if _read_as_it_is(local, tuple(batch), tuple(summed), left=k == 0):
                 continue
             maker = made.get(v)
-            own = maker is not None and xla_scope(graph.apps[maker].where) == xla_scope(app.where)
+            own = maker is not None and xla_scope(
+                graph.apps[maker].where, live.inlined
+            ) == xla_scope(app.where, live.inlined)
             if own and readers.get(live.owner[v], 0) == 1:
                 continue  # its maker writes it in the order the matmul reads
             t = int(at[a])

@@ -18,6 +18,14 @@ from jaxshard.graph import AppKind, find_root
 from jaxshard.lattice import DimSharding
 from jaxshard.rule import FactorKind
 
+# calls XLA inlines before its common-subexpression pass; every other enclosing equation
+# (a loop, a branch, a rematerialized region behind its optimization barrier, a manual
+# shard_map body) keeps the values inside apart from equal ones outside
+_INLINED_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
+                            "custom_vjp_call", "custom_vjp_call_jaxpr"})  # fmt: skip
+# on XLA's CPU backend, rematerialized regions too (`liveness`)
+_CPU_INLINED = _INLINED_CALLS | {"remat2"}
+
 
 class Schedule(NamedTuple):
     """When XLA runs each application: ``at[a]`` is a time in application units.
@@ -212,6 +220,9 @@ class Liveness:
     # per owner of a result the step computes (not an argument returned as it is), the
     # first time anything is written into its buffer
     results_from: Mapping[int, int] = field(default_factory=dict)
+    # the calls XLA inlines before merging common subexpressions (`xla_scope`): with
+    # rematerialized regions on XLA's CPU backend (`liveness`)
+    inlined: frozenset[str] = _INLINED_CALLS
 
     def written_after(self, r: int, t: int) -> bool:
         """Whether result value ``r``'s buffer is first written after time ``t`` (a result
@@ -229,6 +240,7 @@ def liveness(
     skip: Iterable[int] = (),
     ready: Mapping[int, int] | None = None,
     bitcasts: Iterable[int] = (),
+    remat_barriers: bool = True,
 ) -> Liveness:
     """Lifetimes of a graph's buffers: produced by their first equation, freed after their
     last use, in the times of XLA's `schedule` (``ready`` as there), a loop's consts until
@@ -236,6 +248,10 @@ def liveness(
     the whole call and are not intermediates. Applications in ``skip``
     (dead code) neither produce nor use anything; those in ``bitcasts`` (`bitcasts`: a
     layout's reshapes that keep each device's data as it is) make no buffer of their own.
+    Without ``remat_barriers`` (XLA's CPU backend: its compiler removes the optimization
+    barrier JAX puts before a rematerialized region before it merges common
+    subexpressions), a rematerialized equation in the computation of its forward twin is
+    that twin: the forward's value stays alive until the backward pass reads it.
 
     Example:
         >>> import jax.numpy as jnp, jaxshard.rules
@@ -281,7 +297,10 @@ def liveness(
         ro, rr = find_root(parent, o), find_root(parent, r)
         if ro != rr and a not in skip:
             parent[rr] = ro
-    owner = _common_subexpressions(graph, [find_root(parent, v) for v in range(n)], skip)
+    inlined = _INLINED_CALLS if remat_barriers else _CPU_INLINED
+    merged: set[int] = set()
+    owner = [find_root(parent, v) for v in range(n)]
+    owner = _common_subexpressions(graph, owner, skip, inlined, merged)
     big = len(graph.apps) + 1
     # lists while filled: the loop indexes them once per operand and result, and a NumPy
     # array indexed by a Python int makes a NumPy scalar each time (3x slower)
@@ -325,6 +344,8 @@ def liveness(
             o = owner[v]
             if t < start[o]:
                 start[o] = t
+        if a in merged:
+            continue  # XLA computes it once, where it first appears: it reads nothing
         for v in app.operands:
             o = owner[v]
             if t > end[o]:
@@ -349,7 +370,10 @@ def liveness(
     kept = np.flatnonzero(keep)
     same = (start == end).tolist()
     spans = {o: (span[o][0], span[o][1]) for o in kept.tolist() if same[o]}
-    return Liveness(owner, start, end, kept, stacked, sched, span=spans, results_from=results_from)
+    return Liveness(
+        owner, start, end, kept, stacked, sched, span=spans, results_from=results_from,
+        inlined=inlined,
+    )  # fmt: skip
 
 
 def loop_bodies(sched: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -450,39 +474,43 @@ def bitcasts(graph, dims: Sequence[Sequence[DimSharding]], axis_sizes, moved: se
     return out
 
 
-# calls XLA inlines before its common-subexpression pass; every other enclosing equation
-# (a loop, a branch, a rematerialized region behind its optimization barrier, a manual
-# shard_map body) keeps the values inside apart from equal ones outside
-_INLINED_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
-                            "custom_vjp_call", "custom_vjp_call_jaxpr"})  # fmt: skip
-
-
-def _common_subexpressions(graph, owner: list[int], skip: set[int]) -> list[int]:
+def _common_subexpressions(
+    graph,
+    owner: list[int],
+    skip: set[int],
+    inlined: frozenset[str] = _INLINED_CALLS,
+    merged: set[int] | None = None,
+) -> list[int]:
     """``owner`` with the results of an equation that repeats an earlier one (the same
     primitive and parameters on the same buffers and literals, in the same loop body)
     owned by the earlier one's: XLA's common-subexpression elimination computes them
-    once, into one buffer; a conversion to its operand's own type is its operand.
+    once, into one buffer; a conversion to its operand's own type is its operand. The
+    repeats are added to ``merged``: XLA removes them, so they read nothing.
     ``jnp.var`` recomputes the mean and the centred input that a layer norm computes
     beside it: counted twice, they made a GPT's estimate 5% high."""
     seen: dict[tuple, tuple[int, ...]] = {}
+    literals = getattr(graph, "literals", {})
     for a, app in enumerate(graph.apps):
         eqn = app.eqn
         if app.kind is not AppKind.EQN or eqn is None or a in skip or eqn.effects:
             continue
         inputs = tuple(
-            _literal_key(var) if isinstance(var, Literal) else owner[v]
-            for var, v in zip(eqn.invars, app.operands)
-        )  # fmt: skip
+            _literal_key(literals[v]) if v in literals else owner[v] for v in app.operands
+        )
         try:
-            key = (eqn.primitive, tuple(sorted(eqn.params.items())), inputs, xla_scope(app.where))
+            scope = xla_scope(app.where, inlined)
+            key = (eqn.primitive, tuple(sorted(eqn.params.items())), inputs, scope)
             first = seen.setdefault(key, app.results)
         except (TypeError, ValueError):  # parameters that cannot be compared (arrays)
             continue
         if first is not app.results:
             for r, f in zip(app.results, first, strict=True):
                 owner[r] = owner[f]
+            if merged is not None:
+                merged.add(a)
         elif eqn.primitive.name == "convert_element_type" and _same_type(eqn):
-            owner[app.results[0]] = inputs[0]  # XLA's simplifier removes it
+            if not isinstance(inputs[0], tuple):  # a literal's conversion: a constant
+                owner[app.results[0]] = inputs[0]  # XLA's simplifier removes it
     return owner
 
 
@@ -501,7 +529,7 @@ def _same_type(eqn) -> bool:
     return not isinstance(var, Literal) and var.aval.dtype == eqn.outvars[0].aval.dtype
 
 
-def xla_scope(where) -> tuple[int, ...]:
+def xla_scope(where, inlined: frozenset[str] = _INLINED_CALLS) -> tuple[int, ...]:
     """The enclosing equations of an application (its `App.where`) that XLA does not
     inline, by identity: applications with equal scopes end up in one XLA computation,
     where its common-subexpression pass merges equal instructions.
@@ -513,7 +541,7 @@ def xla_scope(where) -> tuple[int, ...]:
     scope = []
     while where is not None:
         eqn, where = where
-        if eqn.primitive.name not in _INLINED_CALLS:
+        if eqn.primitive.name not in inlined:
             scope.append(id(eqn))
     return tuple(scope)
 

@@ -21,6 +21,7 @@ from jaxshard.cost import (
     liveness,
     nbytes,
     per_device_bytes,
+    recomputes_remat,
     reshard_collectives,
 )
 from jaxshard.graph import AppKind, Graph, readers, slices_stack
@@ -47,7 +48,7 @@ def decide(traced: Traced, graph: Graph, prop: Propagator, mesh: Mesh) -> Plan:
     Example:
         >>> plan = decide(traced, graph, propagate_hints(traced, graph, mesh), mesh)  # doctest: +SKIP
     """
-    _, settled = _split_for_memory(graph, prop, has_reduce_scatter(mesh))
+    _, settled = _split_for_memory(graph, prop, has_reduce_scatter(mesh), recomputes_remat(mesh))
     if settled is None:
         settle_open(prop)
     else:  # pricing the splits settled this very state already: one pass less
@@ -175,10 +176,11 @@ class _Pricing:
 
     def __init__(
         self, prop: Propagator, dead: set[int], runs: list[int], apps: list[int],
-        reduce_scatter: bool,
+        reduce_scatter: bool, remat_barriers: bool = True,
     ):  # fmt: skip
         g = prop.graph
         self.reduce_scatter, self._dead = reduce_scatter, dead
+        self._remat_barriers = remat_barriers
         final = prop.fork()
         settle_open(final)
         self.final, self.runs, self.apps = final, runs, set(apps)
@@ -198,7 +200,7 @@ class _Pricing:
         cost as much as a propagation; a change that moves too many bytes needs none)."""
         g = self.final.graph
         sources = [self._tied.get(v, v) for v in g.out_vids]
-        live = liveness(g, self._dead)
+        live = liveness(g, self._dead, remat_barriers=self._remat_barriers)
         return MemoryCurve(g, self.final.state.dims, self.final.axis_sizes, sources, live)
 
     @property
@@ -341,7 +343,7 @@ def _app_cost(prop: Propagator, a: int, runs: int, reduce_scatter: bool) -> tupl
 
 
 def split_for_memory(
-    graph: Graph, prop: Propagator, reduce_scatter: bool = True
+    graph: Graph, prop: Propagator, reduce_scatter: bool = True, remat_barriers: bool = True
 ) -> list[tuple[int, Pin]]:
     """Split large state no hint pinned where that saves memory for few more bytes.
 
@@ -362,18 +364,19 @@ def split_for_memory(
     vocabulary dim shards the logits and their softmax for a few all-reduces of
     per-token scalars, and a lookup in a split table is summed once per token instead
     of the table's gradient once per step. ``reduce_scatter``: whether the backend has
-    one (`jaxshard.cost.has_reduce_scatter`). Returns the ``(value, pin)`` kept;
+    one (`jaxshard.cost.has_reduce_scatter`); ``remat_barriers``: whether it recomputes a
+    rematerialized layer (`jaxshard.cost.liveness`). Returns the ``(value, pin)`` kept;
     their origin names the memory saved and the cost.
 
     Example:
         >>> split_for_memory(graph, prop)  # doctest: +SKIP
         [(3, Pin(dims=(('model',), None), source='split to save memory: ...'))]
     """
-    return _split_for_memory(graph, prop, reduce_scatter)[0]
+    return _split_for_memory(graph, prop, reduce_scatter, remat_barriers)[0]
 
 
 def _split_for_memory(
-    graph: Graph, prop: Propagator, reduce_scatter: bool
+    graph: Graph, prop: Propagator, reduce_scatter: bool, remat_barriers: bool = True
 ) -> tuple[list[tuple[int, Pin]], Propagator | None]:
     """`split_for_memory`, and a fork of ``prop`` settled as `settle_open` would settle
     it afterwards (None when nothing was priced): pricing settles that state anyway."""
@@ -402,7 +405,7 @@ def _split_for_memory(
     dead = dead_apps(graph)
     seen: dict = {}
     apps = [a for a, app in enumerate(graph.apps) if a not in dead and not duplicate_app(app, seen)]
-    base = _Pricing(prop, dead, executions(graph), apps, reduce_scatter)
+    base = _Pricing(prop, dead, executions(graph), apps, reduce_scatter, remat_barriers)
     spent = 0.0
     hinted = set(prop.hinted)  # the user's leaves keep their layout, open dims included
     kept, settled = [], None

@@ -25,6 +25,7 @@ from jaxshard.cost import (
     peak_buffers,
     per_device_bytes,
     reads_of,
+    recomputes_remat,
     reduces_in_place,
     schedule,
     transposed_operands,
@@ -77,7 +78,8 @@ class PlanMemory:
         ready = {self.reshards[i].vid: t for i, t in reduced.items()}
         views = bitcasts(g, self.dims, self.axis_sizes, {r.app for r in self.reshards})
         cpu = copies_transposed_operands(self.mesh)
-        live = fused_liveness(g, liveness(g, dead_apps(g), ready, views), matmul_epilogues=cpu)
+        live = liveness(g, dead_apps(g), ready, views, recomputes_remat(self.mesh))
+        live = fused_liveness(g, live, matmul_epilogues=cpu)
         copies = self.moved_copies(live, reduced)
         if cpu:
             ends: dict[int, int] = {}

@@ -17,6 +17,7 @@ from jaxshard.cost import (
     copies_transposed_operands,
     liveness,
     nbytes,
+    recomputes_remat,
     step_bytes,
 )
 from jaxshard.graph import AppKind, view_dims
@@ -51,9 +52,9 @@ class Problem(DimClasses, Terms, MemoryModel):
         self.dead = dead_apps(graph)
         # buffers as XLA's fusion leaves them: the budget is compared with what the
         # compiled program allocates
-        self.live: Liveness = fused_liveness(
-            graph, liveness(graph, self.dead), matmul_epilogues=copies_transposed_operands(mesh)
-        )
+        live = liveness(graph, self.dead, remat_barriers=recomputes_remat(mesh))
+        cpu = copies_transposed_operands(mesh)
+        self.live: Liveness = fused_liveness(graph, live, matmul_epilogues=cpu)
         self.user_budget = memory_budget
         self._pins(hints)
         # whole choices the integer program may not take (`jaxshard.search._repriced`)
