@@ -131,13 +131,7 @@ class MemoryModel:
             app = g.apps[a]
             rule = app.rule
             vids = (*app.operands, *app.results)
-            tensors = (*rule.operands, *rule.results)
-            majors = {}
-            for t, dims in enumerate(tensors):
-                for d, fl in enumerate(dims):
-                    big = [f for f in fl if rule.factors[f].size > 1 or rule.factors[f].window]
-                    if big:
-                        majors[t, d] = big[0]
+            majors = {(t, d): f for t, d, f in self._majors(rule)}
             holder = {}  # factor -> the class of the first dim not cut from it
             for (t, d), f in majors.items():
                 if (t, d) not in cut and f not in holder:
