@@ -51,6 +51,7 @@ from jax._src.random import core as random_core
 from jax._src.random import philox2x32, philox4x32, prng, threefry4x32
 
 __all__ = [
+    "CPU_COPIES_RESULT_TRANSPOSES",
     "CPU_RECOMPUTES_REMAT",
     "JAX_VERSION",
     "SUPPORTED",
@@ -112,6 +113,12 @@ SUPPORTED = ((0, 10, 2), (0, 12, 0))
 # Measured: 0.10.2 compiles a four-layer checkpointed MLP to the memory of the same step
 # without checkpoint, 0.11.2 and 0.12.0.1 to 0.39x of it.
 CPU_RECOMPUTES_REMAT = JAX_VERSION >= (0, 11)
+# Whether XLA's CPU compiler writes a transpose that only relabels dims into a buffer of
+# its own before copying it into a result of a step with several results. jaxlib 0.10
+# makes it a bitcast of its operand; 0.11 wraps it in a fusion of its own first. Measured:
+# a gradient all-reduced, then transposed into one of the step's results holds two
+# buffers of its size on 0.11.2 and 0.12.0.1, one on 0.10.2.
+CPU_COPIES_RESULT_TRANSPOSES = JAX_VERSION >= (0, 11)
 
 jit_p = _pjit.jit_p
 layout_constraint_p = _pjit.layout_constraint_p

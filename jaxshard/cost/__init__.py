@@ -20,6 +20,7 @@ from jaxshard.cost.collectives import (  # noqa: F401
     _platform,
     _step_collectives,
     combines_all_reduces,
+    copies_result_transposes,
     copies_transposed_operands,
     halo_collectives,
     has_reduce_scatter,
@@ -46,6 +47,7 @@ from jaxshard.cost.memory import (  # noqa: F401
 )
 from jaxshard.cost.schedule import (  # noqa: F401
     _INLINED_CALLS,
+    LOWERED_IN_PLACE,
     Liveness,
     Schedule,
     _common_subexpressions,

@@ -716,6 +716,22 @@ def recomputes_remat(mesh) -> bool:
     return _platform(mesh) != "cpu" or jax_compat.CPU_RECOMPUTES_REMAT
 
 
+def copies_result_transposes(mesh) -> bool:
+    """Whether the devices of ``mesh`` write a transpose into a step's result through a
+    buffer of its own where the step has several results (`jax_compat.
+    CPU_COPIES_RESULT_TRANSPOSES`: XLA's CPU backend from JAX 0.11); accelerators are
+    taken to write the transpose straight into the result.
+
+    Example:
+        >>> import jax
+        >>> from jaxshard import jax_compat
+        >>> mesh = jax.make_mesh((1,), ("data",))
+        >>> copies_result_transposes(mesh) == jax_compat.CPU_COPIES_RESULT_TRANSPOSES
+        True
+    """
+    return _platform(mesh) == "cpu" and jax_compat.CPU_COPIES_RESULT_TRANSPOSES
+
+
 def combines_all_reduces(mesh) -> bool:
     """Whether XLA combines every independent all-reduce over the same devices in a
     computation into one, whatever their size, on the devices of ``mesh``: its CPU

@@ -25,6 +25,11 @@ _INLINED_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_j
                             "custom_vjp_call", "custom_vjp_call_jaxpr"})  # fmt: skip
 # on XLA's CPU backend, rematerialized regions too (`liveness`)
 _CPU_INLINED = _INLINED_CALLS | {"remat2"}
+# the calls whose equations land in the XLA computation that encloses them, as its
+# collective passes see it (`xla_scope`'s ``inlined``): a rematerialized region is
+# lowered in place too, only behind an optimization barrier (XLA combines the all-reduces
+# of its weight gradients with every other layer's)
+LOWERED_IN_PLACE = _CPU_INLINED
 
 
 class Schedule(NamedTuple):

@@ -12,10 +12,12 @@ import functools
 from collections.abc import Mapping
 
 from jaxshard.cost import (
+    LOWERED_IN_PLACE,
     Liveness,
     MemoryEstimate,
     bitcasts,
     combines_all_reduces,
+    copies_result_transposes,
     copies_transposed_operands,
     dtype_name,
     fused_liveness,
@@ -160,6 +162,22 @@ class PlanMemory:
                 if size > own:
                     what = f"{self._named(r.vid)} summed in {to_spec(r.src)} before its move"
                     copies.append((t, reduced.get(i, t), size, what))
+                elif apart and self._sits_in_a_result(r.vid, live):
+                    # the result is the partial sum transposed, which XLA has the matmul
+                    # write into the result's buffer: the all-reduce's output is a buffer
+                    # of its own, transposed into the result at the end of the step
+                    # (read in the buffer assignment of gradients returned by the step)
+                    when = reduced.get(i, t)
+                    last = int(at.max()) if sched.top[r.app] else when
+                    # issued once the matmul's operands are free
+                    freed = [int(live.end[live.owner[o]]) for o in g.apps[r.app].operands]
+                    when = min(last, max([when, *(e + 1 for e in freed if e >= 0)]))
+                    copies.append((when, last, size, f"{self._named(r.vid)}, all-reduced apart"))
+                    if len(g.out_vids) > 1 and copies_result_transposes(self.mesh):
+                        # transposed into a buffer of its own first, while the
+                        # all-reduce's output is alive
+                        what = f"{self._named(r.vid)}, all-reduced and transposed apart"
+                        copies.append((when, when, size, what))
                 elif apart and self._reduced_apart(r.vid, own):
                     # the all-reduce writes its result beside the partial sum, which the
                     # value stands for: both are alive while it runs
@@ -255,6 +273,14 @@ class PlanMemory:
                 for o, dims in zip(app.operands, app.rule.operands)
             )
         return self._flows_into(v) < size
+
+    def _sits_in_a_result(self, v: int, live: Liveness | None) -> bool:
+        """Whether value ``v``, not itself a result, shares a result's buffer in ``live``
+        (a matmul's partial sum whose only reader transposes it into a result)."""
+        if live is None or v in self._result_bytes:
+            return False
+        owner = live.owner
+        return owner[v] in {owner[r] for r in self._result_bytes}
 
     def _flows_into(self, v: int) -> float:
         """The most bytes per device of a result ``v`` flows into through moves and
@@ -399,7 +425,7 @@ class PlanMemory:
             times.update((i, end) for _, i, _ in members)
 
         for k, (t, i, r) in sorted(enumerate(sums), key=lambda x: x[1][0]):
-            key = (xla_scope(g.apps[r.app].where), r.partial)
+            key = (xla_scope(g.apps[r.app].where, LOWERED_IN_PLACE), r.partial)
             members = groups.setdefault(key, [])
             if members and (
                 len(members) == 256 or reads[r.vid] & sum(1 << m for _, _, m in members)
