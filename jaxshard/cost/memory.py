@@ -644,10 +644,18 @@ def _elementwise(graph, app) -> bool:
 
 def _read_as_it_is(local: Sequence[int], batch: tuple, summed: tuple, left: bool) -> bool:
     """Whether a CPU matmul reads an operand of per-device shape ``local`` without a
-    transposed copy (`transposed_operands`); dims of one element are ignored. Only the
-    left operand of a matmul without batch dims is copied (measured); batched matmuls
-    (attention, experts) are taken as read as they are."""
-    if batch or not left:
+    transposed copy (`transposed_operands`); dims of one element are ignored. A matmul
+    without batch dims collapses each operand's contracted dims in the order it lists
+    them (``summed``): either operand holding two of them in another order is copied
+    (``einsum("tec,ecd->td")`` lists (c, e): both its operands are copied), and so is a
+    left operand whose contracted dims come before its free ones (measured); batched
+    matmuls (attention, experts) are taken as read as they are."""
+    if batch:
+        return True
+    held = [d for d in range(len(local)) if local[d] != 1 and d in summed]
+    if held != [d for d in summed if local[d] != 1]:
+        return False
+    if not left:
         return True
     kinds = "".join("c" if d in summed else "f" for d in range(len(local)) if local[d] != 1)
     grouped = kinds == "".join(sorted(kinds, reverse=True))  # free dims, then contracted

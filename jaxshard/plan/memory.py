@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping
 
 from jaxshard.cost import (
@@ -76,7 +77,7 @@ class PlanMemory:
         them."""
         g = self.graph
         # readers of a reduced value wait for its combined reduction
-        reduced = self._reduction_times(schedule(g).at)
+        reduced = self._reduction_times(schedule(g))
         ready = {self.reshards[i].vid: t for i, t in reduced.items()}
         views = bitcasts(g, self.dims, self.axis_sizes, {r.app for r in self.reshards})
         cpu = copies_transposed_operands(self.mesh)
@@ -146,7 +147,7 @@ class PlanMemory:
         copies = []
         ends = None  # each loop's last time, made when a stack is gathered for its loop
         uses = producers = None  # made when a gathered result needs its readers
-        reduced = self._reduction_times(at) if reduced is None else reduced
+        reduced = self._reduction_times(sched) if reduced is None else reduced
         apart = not reduces_in_place(self.mesh)
         stored = set() if live is None else set(live.intermediates.tolist())
         outs = set(g.out_vids)
@@ -274,6 +275,33 @@ class PlanMemory:
             )
         return self._flows_into(v) < size
 
+    def _needed(self, at):
+        """A function: the earliest time (in ``at``) a value is read by work that cannot wait
+        for the end of the step, infinite when every reader only moves it into step results
+        (a transpose, a cast, an update: XLA may run those last)."""
+        g, uses = self.graph, self._uses
+        outs = set(g.out_vids)
+        waits: dict[int, bool] = {}  # every reader of the value can run at the end
+
+        def passes_on(b: int) -> bool:  # reader ``b`` only moves into step results
+            app = g.apps[b]
+            return (
+                app.kind is AppKind.EQN
+                and (view_dims(app) is not None or app.rule.plain)
+                and all(r in outs or waits.get(r, False) for r in app.results)
+            )
+
+        # readers come after their operands' makers: values in reverse program order
+        for a in range(len(g.apps) - 1, -1, -1):
+            for v in g.apps[a].results:
+                waits[v] = all(passes_on(b) for b in uses[v] if v in g.apps[b].operands)
+
+        def needed(v: int) -> float:
+            readers = [b for b in uses[v] if v in g.apps[b].operands and not passes_on(b)]
+            return min((int(at[b]) for b in readers), default=math.inf)
+
+        return needed
+
     def _sits_in_a_result(self, v: int, live: Liveness | None) -> bool:
         """Whether value ``v``, not itself a result, shares a result's buffer in ``live``
         (a matmul's partial sum whose only reader transposes it into a result)."""
@@ -397,14 +425,19 @@ class PlanMemory:
                         todo.append(res)
         return written
 
-    def _reduction_times(self, at) -> dict[int, int]:
-        """When each partial sum's all-reduce runs, by index into ``reshards``, where XLA
-        combines them (`combines_all_reduces`): the reductions over the same axes in one
-        computation are taken in order and combined until one reads the result of
-        another in its group (or 256 are), and a group runs when its last member's
-        partial is ready, so earlier partials wait (a head's gradient, summed before the
-        backward loop, until the embedding's after it)."""
+    def _reduction_times(self, sched) -> dict[int, int]:
+        """When each partial sum's all-reduce runs, by index into ``reshards`` (in the
+        times of ``sched``), where XLA combines them (`combines_all_reduces`): the
+        reductions over the same axes in one computation are taken in order and combined
+        until one reads the result of another in its group (or 256 are), and a group
+        runs when its last member's partial is ready, so earlier partials wait (a head's
+        gradient, summed before the backward loop, until the embedding's after it). A
+        group also ends where a member's sum is needed before the next partial is made
+        (`_needed`: the experts' inputs, summed over the tokens, before a router's
+        load-balancing sum that program order puts after the experts: XLA computes that
+        sum early and reduces both before the experts)."""
         g = self.graph
+        at = sched.at
         if not combines_all_reduces(self.mesh):
             return {}
         sums = [
@@ -424,11 +457,15 @@ class PlanMemory:
             end = max(t for t, _, _ in members)
             times.update((i, end) for _, i, _ in members)
 
+        needed = self._needed(at)
+
         for k, (t, i, r) in sorted(enumerate(sums), key=lambda x: x[1][0]):
             key = (xla_scope(g.apps[r.app].where, LOWERED_IN_PLACE), r.partial)
             members = groups.setdefault(key, [])
             if members and (
-                len(members) == 256 or reads[r.vid] & sum(1 << m for _, _, m in members)
+                len(members) == 256
+                or reads[r.vid] & sum(1 << m for _, _, m in members)
+                or min(needed(self.reshards[i].vid) for _, i, _ in members) < t
             ):
                 close(members)
                 members.clear()
