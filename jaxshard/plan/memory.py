@@ -302,6 +302,22 @@ class PlanMemory:
 
         return needed
 
+    def _earliest(self, sched) -> list[int]:
+        """Per application, the earliest time XLA's scheduler can run it in ``sched``'s
+        times: once the latest equation it reads from has run. A loop, what runs inside
+        one and what reads a loop's result keep their times."""
+        g = self.graph
+        at, top = sched.at.tolist(), sched.top.tolist()
+        producer, apps = g.producers(), g.apps
+        earliest = list(at)
+        for a, app in enumerate(apps):
+            if not top[a] or app.kind is not AppKind.EQN:
+                continue
+            made = [p for p in map(producer.get, app.operands) if p is not None]
+            if all(top[p] and apps[p].kind is AppKind.EQN for p in made):
+                earliest[a] = max((earliest[p] for p in made), default=0)
+        return earliest
+
     def _sits_in_a_result(self, v: int, live: Liveness | None) -> bool:
         """Whether value ``v``, not itself a result, shares a result's buffer in ``live``
         (a matmul's partial sum whose only reader transposes it into a result)."""
@@ -431,11 +447,12 @@ class PlanMemory:
         reductions over the same axes in one computation are taken in order and combined
         until one reads the result of another in its group (or 256 are), and a group
         runs when its last member's partial is ready, so earlier partials wait (a head's
-        gradient, summed before the backward loop, until the embedding's after it). A
-        group also ends where a member's sum is needed before the next partial is made
-        (`_needed`: the experts' inputs, summed over the tokens, before a router's
-        load-balancing sum that program order puts after the experts: XLA computes that
-        sum early and reduces both before the experts)."""
+        gradient, summed before the backward loop, until the embedding's after it). But
+        where a member's sum is needed (`_needed`) before the next partial is made in
+        program order, and that partial's inputs are ready before then (`_earliest`),
+        XLA computes it early and reduces both before the need: the group ends there
+        (the experts' inputs, summed over the tokens, and a router's load-balancing sum
+        that program order puts after the experts)."""
         g = self.graph
         at = sched.at
         if not combines_all_reduces(self.mesh):
@@ -457,7 +474,8 @@ class PlanMemory:
             end = max(t for t, _, _ in members)
             times.update((i, end) for _, i, _ in members)
 
-        needed = self._needed(at)
+        needed, earliest = self._needed(at), self._earliest(sched)
+        soonest: dict[tuple, float] = {}  # per group, when its members' sums are first needed
 
         for k, (t, i, r) in sorted(enumerate(sums), key=lambda x: x[1][0]):
             key = (xla_scope(g.apps[r.app].where, LOWERED_IN_PLACE), r.partial)
@@ -465,10 +483,11 @@ class PlanMemory:
             if members and (
                 len(members) == 256
                 or reads[r.vid] & sum(1 << m for _, _, m in members)
-                or min(needed(self.reshards[i].vid) for _, i, _ in members) < t
+                or earliest[r.app] < soonest[key] < t
             ):
                 close(members)
                 members.clear()
+            soonest[key] = min(soonest.get(key, math.inf) if members else math.inf, needed(r.vid))
             members.append((t, i, k))
         for members in groups.values():
             close(members)
