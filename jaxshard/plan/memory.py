@@ -319,12 +319,21 @@ class PlanMemory:
         return earliest
 
     def _sits_in_a_result(self, v: int, live: Liveness | None) -> bool:
-        """Whether value ``v``, not itself a result, shares a result's buffer in ``live``
-        (a matmul's partial sum whose only reader transposes it into a result)."""
+        """Whether value ``v``, not itself a result, is transposed into a result whose
+        buffer it shares in ``live`` (a matmul's partial sum whose only reader is that
+        transpose: `liveness` has the matmul write in the transposed order)."""
         if live is None or v in self._result_bytes:
             return False
-        owner = live.owner
-        return owner[v] in {owner[r] for r in self._result_bytes}
+        g, owner = self.graph, live.owner
+        results = {owner[r] for r in self._result_bytes}
+        if owner[v] not in results:
+            return False
+        for b in self._uses[v]:
+            app = g.apps[b]
+            moved = view_dims(app) if v in app.operands else None
+            if moved is not None and _reorders(moved, g.shapes[v]):
+                return owner[app.results[0]] == owner[v]
+        return False
 
     def _flows_into(self, v: int) -> float:
         """The most bytes per device of a result ``v`` flows into through moves and
@@ -492,3 +501,15 @@ class PlanMemory:
         for members in groups.values():
             close(members)
         return times
+
+
+def _reorders(moved: tuple[int, ...], shape) -> bool:
+    """Whether a move (`view_dims`: per result dim, the operand dim it holds) changes the
+    order of the operand's dims of more than one element (a transpose, not a cast).
+
+    Example:
+        >>> _reorders((1, 0), (4, 8)), _reorders((1, 0), (1, 8))
+        (True, False)
+    """
+    kept = [d for d in moved if shape[d] > 1]
+    return kept != sorted(kept)
