@@ -17,10 +17,8 @@ devices. A row outside 10% is marked. ``--write`` also writes
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import re
-import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,29 +42,19 @@ def configs(models) -> dict:
 def rows(only: list[str] | None = None) -> list[dict]:
     """One row per (model, hint set): the plan's figures and the compiled program's."""
     import jax
-    import optax
-    from jax.sharding import AxisType
     from jax.sharding import PartitionSpec as P
 
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import models
-
     import jaxshard
+    from benchmarks.workloads import meshes, models, workload
     from jaxshard.baseline import compiled_cost
 
-    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    mesh = meshes()["2x4 (data, model)"]
     out = []
     for name, cfg in configs(models).items():
         if only and name not in only:
             continue
-        _, init, loss, make_batch = models.MODELS[name]
-        optimizer = optax.adamw(1e-3)
-        params = jax.eval_shape(lambda init=init, cfg=cfg: init(jax.random.key(0), cfg))
-        batch = jax.eval_shape(
-            lambda make_batch=make_batch, cfg=cfg: make_batch(jax.random.key(1), cfg, 32)
-        )
-        args = (params, jax.eval_shape(optimizer.init, params), batch)
-        step = models.make_train_step(functools.partial(loss, cfg=cfg), optimizer)
+        w = workload(name, name, cfg, 32)
+        step, args = w.step, w.args
         sets = models.HINT_SETS.get(name, {"batch": {r"batch/.*": P("data")}})
         for hint_set, hints in sets.items():
             start = time.perf_counter()
