@@ -150,6 +150,8 @@ class PlanMemory:
         reduced = self._reduction_times(sched) if reduced is None else reduced
         apart = not reduces_in_place(self.mesh)
         stored = set() if live is None else set(live.intermediates.tolist())
+        # the buffers of the step's results (`_sits_in_a_result`)
+        held = set() if live is None else {live.owner[v] for v in self._result_bytes}
         outs = set(g.out_vids)
         buffers = stored | outs
         applied: dict[str, list] = {}  # scope -> gathered updates fused into their applies
@@ -163,7 +165,7 @@ class PlanMemory:
                 if size > own:
                     what = f"{self._named(r.vid)} summed in {to_spec(r.src)} before its move"
                     copies.append((t, reduced.get(i, t), size, what))
-                elif apart and self._sits_in_a_result(r.vid, live):
+                elif apart and self._sits_in_a_result(r.vid, live, held):
                     # the result is the partial sum transposed, which XLA has the matmul
                     # write into the result's buffer: the all-reduce's output is a buffer
                     # of its own, transposed into the result at the end of the step
@@ -318,16 +320,14 @@ class PlanMemory:
                 earliest[a] = max((earliest[p] for p in made), default=0)
         return earliest
 
-    def _sits_in_a_result(self, v: int, live: Liveness | None) -> bool:
+    def _sits_in_a_result(self, v: int, live: Liveness | None, held: set[int]) -> bool:
         """Whether value ``v``, not itself a result, is transposed into a result whose
-        buffer it shares in ``live`` (a matmul's partial sum whose only reader is that
-        transpose: `liveness` has the matmul write in the transposed order)."""
-        if live is None or v in self._result_bytes:
+        buffer it shares in ``live`` (``held``: the results' buffers there; a matmul's
+        partial sum whose only reader is that transpose: `liveness` has the matmul write
+        in the transposed order)."""
+        if live is None or v in self._result_bytes or live.owner[v] not in held:
             return False
         g, owner = self.graph, live.owner
-        results = {owner[r] for r in self._result_bytes}
-        if owner[v] not in results:
-            return False
         for b in self._uses[v]:
             app = g.apps[b]
             moved = view_dims(app) if v in app.operands else None
