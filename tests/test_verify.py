@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jaxshard
 import jaxshard.lower
 from jaxshard import jax_compat
+from jaxshard.cost import executions
 from jaxshard.explain import explain_plan
 from jaxshard.graph import slices_stack
 from jaxshard.hlo import DTYPE_BYTES, _groups_to_axes, _parse_groups, computation_runs
@@ -177,6 +178,41 @@ def test_while_reshards_count_once_and_say_so(mesh):
     assert "lower bound" in explain_plan(plan)
     result = verify(plan)  # XLA reads the trip count (6); the plan's unknown count matches it
     assert result.ok, str(result)
+
+
+def _microbatches(x, w):
+    """Gradient accumulation: the body slices microbatch ``i`` out of the batch its loop
+    reads from outside (the microbatches dim is the one the batch's hint splits)."""
+
+    def body(i, acc):
+        return acc + jax.grad(lambda w: jnp.sum(jnp.tanh(x[i] @ w) ** 2))(w)
+
+    return jax.lax.fori_loop(0, x.shape[0], body, jnp.zeros_like(w))
+
+
+def _transposed_weight(x, w):
+    """A scan whose body reads a weight from outside, transposed."""
+    return jax.lax.scan(lambda c, _: (jnp.tanh(c @ w.T), None), x, length=5)[0]
+
+
+@pytest.mark.parametrize(
+    "f, shapes, hints",
+    [
+        (_microbatches, ((4, 8, 16), (16, 16)), {"x": P("data"), "w": P(None, "model")}),
+        (_transposed_weight, ((8, 16), (16, 16)), {"x": P("data", "model"), "w": P("model")}),
+    ],
+    ids=["microbatches", "transposed-weight"],
+)
+def test_a_loop_invariant_value_moves_once_before_the_loop(mesh, f, shapes, hints):
+    """XLA hoists the move of a value the loop body reads from outside (or computes from
+    such values only) out of the loop: it runs once, not once per iteration."""
+    args = tuple(jnp.ones(s) for s in shapes)
+    plan = jaxshard.make_plan(f, args, {}, mesh, hints)
+    runs = executions(plan.graph)
+    assert any(r.runs == 1 < runs[r.app] for r in plan.reshards), plan.reshards
+    result = verify(plan)
+    assert result.ok, str(result)
+    assert result.compiled_bytes == pytest.approx(result.predicted_bytes)
 
 
 def test_run_counts_must_agree():
@@ -407,6 +443,26 @@ def test_collectives_of_narrow_dtypes_are_counted(mesh, dtype):
         frozenset({"data"}),
         64 * DTYPE_BYTES[dtype],
     )
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_narrow_floats_move_as_the_cpu_widens_them(mesh, dtype):
+    """XLA's CPU backend widens bfloat16 to float32 and 8-bit floats to float16 before
+    every collective: a mixed-precision step's predicted bytes are the compiled ones."""
+
+    def step(x, w1, w2):
+        def loss(w1, w2):
+            h = jnp.tanh(x.astype(dtype) @ w1.astype(dtype)) @ w2.astype(dtype)
+            return jnp.sum(h.astype(jnp.float32) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1))(w1, w2)
+
+    args = (jnp.ones((16, 32)), jnp.ones((32, 64)) / 8, jnp.ones((64, 32)) / 8)
+    hints = {"x": P("data"), "w1": P(None, "model"), "w2": P("model")}
+    plan = jaxshard.make_plan(step, args, {}, mesh, hints)
+    result = verify(plan)
+    assert result.ok, str(result)
+    assert result.compiled_bytes == pytest.approx(result.predicted_bytes)
 
 
 def test_a_repeated_gather_is_priced_once_in_a_computation(mesh):

@@ -24,6 +24,7 @@ from jaxshard.cost.collectives import (  # noqa: F401
     copies_transposed_operands,
     halo_collectives,
     has_reduce_scatter,
+    moved_dtype,
     partial_groups,
     pending_sums,
     recomputes_remat,

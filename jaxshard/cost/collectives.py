@@ -10,6 +10,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AbstractMesh
 
 from jaxshard import jax_compat
@@ -699,6 +701,29 @@ def has_reduce_scatter(mesh) -> bool:
         False
     """
     return _platform(mesh) != "cpu"
+
+
+def moved_dtype(dtype, mesh) -> np.dtype:
+    """The element type a collective moves values of ``dtype`` in on ``mesh``'s devices.
+    XLA's CPU backend computes only in the floating types it supports: it widens
+    bfloat16 to float32 and the 8-bit floats to float16 before a collective (all-gather,
+    all-reduce, all-to-all and collective-permute alike, measured on the compiled
+    programs of JAX 0.10 to 0.12), so they move twice their bytes there. Accelerators
+    move them as they are, as does a mesh without devices (abstract).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> moved_dtype(jnp.bfloat16, jax.make_mesh((1,), ("data",)))  # on a CPU
+        dtype('float32')
+        >>> moved_dtype(jnp.int8, jax.make_mesh((1,), ("data",)))
+        dtype('int8')
+    """
+    dtype = np.dtype(dtype)
+    if _platform(mesh) != "cpu" or not jnp.issubdtype(dtype, jnp.floating):
+        return dtype
+    if dtype == jnp.bfloat16:
+        return np.dtype(np.float32)
+    return np.dtype(np.float16) if dtype.itemsize == 1 else dtype
 
 
 def recomputes_remat(mesh) -> bool:

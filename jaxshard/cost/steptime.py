@@ -7,7 +7,7 @@ step time (`step_time`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -177,11 +177,14 @@ _WRITTEN = {
 }
 
 
-def written_collectives(graph, dims, axis_sizes: Mapping[str, int]) -> list[Collective]:
+def written_collectives(
+    graph, dims, axis_sizes: Mapping[str, int], moved_as: Callable | None = None
+) -> list[Collective]:
     """The collectives in the `shard_map` bodies of ``graph`` (top-level equations of each
     body), priced with the layouts ``dims`` gives the shard_map's operands: a body sees
     its operands whole along the axes it leaves automatic, so one device holds the body
-    value's bytes over the shards of those axes.
+    value's bytes over the shards of those axes. ``moved_as`` maps a value's element
+    type to the one the backend moves it in (`jaxshard.cost.moved_dtype`).
 
     Example:
         >>> [str(c) for c in written_collectives(plan.graph, plan.dims, plan.axis_sizes)]  # doctest: +SKIP
@@ -210,7 +213,8 @@ def written_collectives(graph, dims, axis_sizes: Mapping[str, int]) -> list[Coll
             axes = (axes,) if isinstance(axes, str) else tuple(axes)
             var = (eqn.outvars if kind.sized_by_result else eqn.invars)[0]
             split = auto_shards[source[var]] if var in source else 1
-            local = nbytes(var.aval.shape, var.aval.dtype) // split
+            dtype = var.aval.dtype if moved_as is None else moved_as(var.aval.dtype)
+            local = nbytes(var.aval.shape, dtype) // split
             group = math.prod(axis_sizes.get(a, 1) for a in axes)
             out.append(Collective(kind, frozenset(axes), local, group, runs, in_while, b.line))
     return out

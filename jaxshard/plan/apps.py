@@ -156,6 +156,51 @@ def moved_array(
     return g.shapes[stack], lead + tuple(src), lead + tuple(dst), 1
 
 
+def made_runs(g: Graph, runs: Sequence[int]) -> dict[int, int]:
+    """How many times per call each value is made (``runs``: `jaxshard.cost.executions`
+    of ``g``), for the values made inside a loop or passed into one: a loop body's slice
+    of a stacked input and its carry, once per iteration; a loop's result, once per run
+    of the code around the loop; a value passed into a call, as often as the call runs;
+    a value an equation makes from loop-invariant operands only (a weight the body
+    transposes), as often as the most frequently made of them, since XLA hoists it out
+    of the loop. A carry's body input can have its initial value's id: it counts as made
+    once per iteration (a move outside the loop runs once all the same). A step's
+    argument, and a value a loop body reads from outside (it has the outer value's id),
+    are absent: made once per call, or where their maker runs.
+
+    XLA moves such a loop-invariant value once, before the loop (its loop-invariant code
+    motion hoists the collective out of the body): a value the body slices by the
+    iteration counter (a microbatch ``xs[i]`` of a gradient accumulation loop), or a
+    weight read transposed, is gathered or exchanged once, however often the body runs.
+
+    Example:
+        >>> made_runs(plan.graph, executions(plan.graph))  # doctest: +SKIP
+        {17: 4, 18: 4, 30: 1}
+    """
+    cached = g.memo.get("made_runs")
+    if cached is not None and cached[0] == len(g.apps):
+        return cached[1]
+    made: dict[int, int] = {}
+    for a, app in enumerate(g.apps):  # the links first: a body lists them after itself
+        if app.kind is not AppKind.LINK:
+            continue
+        if a in g.out_links:  # the outer result: made where the loop runs
+            made.setdefault(app.operands[0], runs[a])
+        elif slices_stack(g, a):  # one slice per iteration of the body
+            made[app.results[0]] = runs[g.link_body.get(a, a)]
+        elif a in g.carry_links:  # the body's input (it may share the initial value's
+            made[app.operands[0]] = made[app.results[0]] = runs[a]  # id) and output
+        else:  # a value passed into a call
+            made[app.results[0]] = runs[a]
+    for a, app in enumerate(g.apps):
+        if app.kind is AppKind.EQN:
+            once = min(runs[a], max((made.get(v, 1) for v in app.operands), default=1))
+            for v in app.results:  # a carry's initial value is its body input too
+                made[v] = max(made.get(v, 1), once)
+    g.memo["made_runs"] = (len(g.apps), made)
+    return made
+
+
 def _wanted_whole(g: Graph, dims, a: int, stack: int, piece: int, layout: tuple) -> bool:
     """Whether the stack link ``a`` slices into ``piece`` (read in ``layout``) is wanted
     whole in that layout: another loop slices it so, or the body stacks ``piece`` (or

@@ -21,6 +21,7 @@ from jaxshard.cost import (
     executions,
     has_reduce_scatter,
     in_while_loop,
+    moved_dtype,
     nbytes,
     per_device_bytes,
     reshard_collectives,
@@ -33,7 +34,7 @@ from jaxshard.cost import (
 from jaxshard.errors import JaxshardBug
 from jaxshard.graph import Graph, contracts
 from jaxshard.lattice import DimSharding, to_spec
-from jaxshard.plan.apps import analyzed_apps, app_moves, moved_array
+from jaxshard.plan.apps import analyzed_apps, app_moves, made_runs, moved_array
 from jaxshard.plan.memory import PlanMemory
 from jaxshard.propagate import (
     Conflict,
@@ -165,9 +166,13 @@ class Plan(PlanMemory):
         self._moved: dict[tuple[int, tuple[DimSharding, ...]], set[tuple[int, ...]]] = {}
         self._runs, self._in_while = executions(graph), in_while_loop(graph)
         self._reduce_scatter = has_reduce_scatter(mesh)
+        # the backend's element type on the wire (XLA's CPU widens bfloat16 to float32)
+        self._moved_dtype = {d: moved_dtype(d, mesh) for d in set(graph.dtypes)}
         self._analyze(prop)
         # the collectives the program writes itself (shard_map bodies), priced like reshards
-        self.written: list[Collective] = written_collectives(graph, self.dims, self.axis_sizes)
+        self.written: list[Collective] = written_collectives(
+            graph, self.dims, self.axis_sizes, lambda d: moved_dtype(d, mesh)
+        )
         if out_dims is None:
             out_dims = [self.dims[v] for v in graph.out_vids]
             for i, o in graph.ties:  # the new value of an argument keeps its layout...
@@ -276,10 +281,18 @@ class Plan(PlanMemory):
         of a stack moves as `moved_array` says: per iteration, or the whole stack once."""
         g = self.graph
         shape, moved, times = g.shapes[vid], (src, dst), 1
+        runs = self._runs[a]
         if returned_as is None and not partial:
             shape, *moved, times = moved_array(g, self.dims, a, vid, src, dst)
+            # a loop-invariant value moves once, before the loop
+            runs = min(runs, made_runs(g, self._runs).get(vid, 1))
         steps = reshard_collectives(
-            shape, g.dtypes[vid], *moved, self.axis_sizes, partial, self._reduce_scatter
+            shape,
+            self._moved_dtype[g.dtypes[vid]],
+            *moved,
+            self.axis_sizes,
+            partial,
+            self._reduce_scatter,
         )
         if not steps:
             if returned_as is None:
@@ -292,7 +305,7 @@ class Plan(PlanMemory):
             where += ", the loop carry's next iteration" if a in g.carry_links else ""
             self.reshards.append(
                 Reshard(a, vid, src, dst, partial, tuple(steps), where,
-                        self._runs[a] * times, self._in_while[a])
+                        runs * times, self._in_while[a])
             )  # fmt: skip
 
     # --- the public views ------------------------------------------------------------
