@@ -717,9 +717,16 @@ def moved_dtype(dtype, mesh) -> np.dtype:
         dtype('float32')
         >>> moved_dtype(jnp.int8, jax.make_mesh((1,), ("data",)))
         dtype('int8')
+        >>> moved_dtype(jax.random.key(0).dtype, jax.make_mesh((1,), ("data",)))
+        key<fry>
     """
-    dtype = np.dtype(dtype)
-    if _platform(mesh) != "cpu" or not jnp.issubdtype(dtype, jnp.floating):
+    if dtype is None or _platform(mesh) != "cpu":
+        return dtype
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:  # an extended dtype (a typed PRNG key): its key data are integers
+        return dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
         return dtype
     if dtype == jnp.bfloat16:
         return np.dtype(np.float32)
