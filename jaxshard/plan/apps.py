@@ -4,6 +4,7 @@ operands and results each moves into or out of the layout it works in (`app_move
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -156,7 +157,7 @@ def moved_array(
     return g.shapes[stack], lead + tuple(src), lead + tuple(dst), 1
 
 
-def made_runs(g: Graph, runs: Sequence[int]) -> dict[int, int]:
+def made_runs(g: Graph, runs: Sequence[int]) -> dict[int, float]:
     """How many times per call each value is made (``runs``: `jaxshard.cost.executions`
     of ``g``), for the values made inside a loop or passed into one: a loop body's slice
     of a stacked input and its carry, once per iteration; a loop's result, once per run
@@ -164,7 +165,9 @@ def made_runs(g: Graph, runs: Sequence[int]) -> dict[int, int]:
     a value an equation makes from loop-invariant operands only (a weight the body
     transposes), as often as the most frequently made of them, since XLA hoists it out
     of the loop. A carry's body input can have its initial value's id: it counts as made
-    once per iteration (a move outside the loop runs once all the same). A step's
+    once per iteration (a move outside the loop runs once all the same). A value made
+    from constants only (an iota, a literal broadcast) counts as made wherever it is
+    read (``math.inf``): XLA folds it into a constant and sinks that into the loop. A step's
     argument, and a value a loop body reads from outside (it has the outer value's id),
     are absent: made once per call, or where their maker runs.
 
@@ -175,7 +178,7 @@ def made_runs(g: Graph, runs: Sequence[int]) -> dict[int, int]:
 
     Example:
         >>> made_runs(plan.graph, executions(plan.graph))  # doctest: +SKIP
-        {17: 4, 18: 4, 30: 1}
+        {17: 4, 18: 4, 30: 1, 31: inf}
     """
     cached = g.memo.get("made_runs")
     if cached is not None and cached[0] == len(g.apps):
@@ -192,9 +195,15 @@ def made_runs(g: Graph, runs: Sequence[int]) -> dict[int, int]:
             made[app.operands[0]] = made[app.results[0]] = runs[a]  # id) and output
         else:  # a value passed into a call
             made[app.results[0]] = runs[a]
+    for v in getattr(g, "literals", ()):
+        made[v] = math.inf
     for a, app in enumerate(g.apps):
         if app.kind is AppKind.EQN:
-            once = min(runs[a], max((made.get(v, 1) for v in app.operands), default=1))
+            found = [made.get(v, 1) for v in app.operands]
+            found = [n for n in found if n != math.inf]
+            # made from constants only (an iota, a literal's broadcast): XLA folds it into
+            # a constant, which it sinks into a loop rather than hoisting its move
+            once = min(runs[a], max(found)) if found else math.inf
             for v in app.results:  # a carry's initial value is its body input too
                 made[v] = max(made.get(v, 1), once)
     g.memo["made_runs"] = (len(g.apps), made)

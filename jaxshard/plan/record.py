@@ -285,7 +285,7 @@ class Plan(PlanMemory):
         if returned_as is None and not partial:
             shape, *moved, times = moved_array(g, self.dims, a, vid, src, dst)
             # a loop-invariant value moves once, before the loop
-            runs = min(runs, made_runs(g, self._runs).get(vid, 1))
+            runs = int(min(runs, made_runs(g, self._runs).get(vid, 1)))
         steps = reshard_collectives(
             shape,
             self._moved_dtype[g.dtypes[vid]],
