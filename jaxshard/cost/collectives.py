@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -703,7 +704,7 @@ def has_reduce_scatter(mesh) -> bool:
     return _platform(mesh) != "cpu"
 
 
-def moved_dtype(dtype, mesh) -> np.dtype:
+def moved_dtype(dtype, mesh) -> Any:
     """The element type a collective moves values of ``dtype`` in on ``mesh``'s devices.
     XLA's CPU backend computes only in the floating types it supports: it widens
     bfloat16 to float32 and the 8-bit floats to float16 before a collective (all-gather,

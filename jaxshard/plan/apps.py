@@ -167,9 +167,9 @@ def made_runs(g: Graph, runs: Sequence[int]) -> dict[int, float]:
     of the loop. A carry's body input can have its initial value's id: it counts as made
     once per iteration (a move outside the loop runs once all the same). A value made
     from constants only (an iota, a literal broadcast) counts as made wherever it is
-    read (``math.inf``): XLA folds it into a constant and sinks that into the loop. A step's
-    argument, and a value a loop body reads from outside (it has the outer value's id),
-    are absent: made once per call, or where their maker runs.
+    read (``math.inf``): XLA folds it into a constant and sinks that into the loop. A
+    step's argument, and a value a loop body reads from outside (it has the outer
+    value's id), are absent: made once per call, or where their maker runs.
 
     XLA moves such a loop-invariant value once, before the loop (its loop-invariant code
     motion hoists the collective out of the body): a value the body slices by the
@@ -183,7 +183,7 @@ def made_runs(g: Graph, runs: Sequence[int]) -> dict[int, float]:
     cached = g.memo.get("made_runs")
     if cached is not None and cached[0] == len(g.apps):
         return cached[1]
-    made: dict[int, int] = {}
+    made: dict[int, float] = {}
     for a, app in enumerate(g.apps):  # the links first: a body lists them after itself
         if app.kind is not AppKind.LINK:
             continue
