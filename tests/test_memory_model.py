@@ -437,7 +437,7 @@ def test_a_scanned_gradient_sits_in_a_result_written_after_it(line, optimizer, e
 def test_a_loops_carry_sits_in_a_result_written_after_the_loop(line):
     # gradient accumulation: the loop's carry, the gradient summed over microbatches, is
     # one buffer from its zeros to its last reader, and XLA puts it in the buffer of a
-    # result written after that (Adam reads the sum before it writes anything): 1.30x
+    # result written after that (Adam reads the sum before it writes anything): 1.33x
     # when the carry is counted. The body's own temporaries, which XLA places in the
     # results' buffers too, are still counted (the excess)
     opt = optax.adam(1e-3)
