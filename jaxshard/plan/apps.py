@@ -8,9 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from jaxshard.cost import (
-    per_device_bytes,
-)
+from jaxshard.cost import executions, per_device_bytes
 from jaxshard.graph import AppKind, Graph, contracts, slices_stack
 from jaxshard.lattice import DimSharding, slices_locally
 from jaxshard.propagate import (
@@ -157,14 +155,14 @@ def moved_array(
     return g.shapes[stack], lead + tuple(src), lead + tuple(dst), 1
 
 
-def made_runs(g: Graph, runs: Sequence[int]) -> dict[int, float]:
-    """How many times per call each value is made (``runs``: `jaxshard.cost.executions`
-    of ``g``), for the values made inside a loop or passed into one: a loop body's slice
-    of a stacked input and its carry, once per iteration; a loop's result, once per run
-    of the code around the loop; a value passed into a call, as often as the call runs;
-    a value an equation makes from loop-invariant operands only (a weight the body
-    transposes), as often as the most frequently made of them, since XLA hoists it out
-    of the loop. A carry's body input can have its initial value's id: it counts as made
+def made_runs(g: Graph) -> dict[int, float]:
+    """How many times per call each value is made (as `jaxshard.cost.executions` counts
+    the equations of ``g``), for the values made inside a loop or passed into one: a
+    loop body's slice of a stacked input and its carry, once per iteration; a loop's
+    result, once per run of the code around the loop; a value passed into a call, as
+    often as the call runs; a value an equation makes from loop-invariant operands only
+    (a weight the body transposes), as often as the most frequently made of them, since
+    XLA hoists it out of the loop. A carry's body input can have its initial value's id: it counts as made
     once per iteration (a move outside the loop runs once all the same). A value made
     from constants only (an iota, a literal broadcast) counts as made wherever it is
     read (``math.inf``): XLA folds it into a constant and sinks that into the loop. A
@@ -177,12 +175,13 @@ def made_runs(g: Graph, runs: Sequence[int]) -> dict[int, float]:
     weight read transposed, is gathered or exchanged once, however often the body runs.
 
     Example:
-        >>> made_runs(plan.graph, executions(plan.graph))  # doctest: +SKIP
+        >>> made_runs(plan.graph)  # doctest: +SKIP
         {17: 4, 18: 4, 30: 1, 31: inf}
     """
     cached = g.memo.get("made_runs")
     if cached is not None and cached[0] == len(g.apps):
         return cached[1]
+    runs = executions(g)
     made: dict[int, float] = {}
     for a, app in enumerate(g.apps):  # the links first: a body lists them after itself
         if app.kind is not AppKind.LINK:
@@ -195,7 +194,7 @@ def made_runs(g: Graph, runs: Sequence[int]) -> dict[int, float]:
             made[app.operands[0]] = made[app.results[0]] = runs[a]  # id) and output
         else:  # a value passed into a call
             made[app.results[0]] = runs[a]
-    for v in getattr(g, "literals", ()):
+    for v in g.literals:
         made[v] = math.inf
     for a, app in enumerate(g.apps):
         if app.kind is AppKind.EQN:

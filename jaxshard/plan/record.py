@@ -6,6 +6,7 @@ record imports nothing above itself."""
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 from collections.abc import Callable, Sequence
@@ -167,11 +168,11 @@ class Plan(PlanMemory):
         self._runs, self._in_while = executions(graph), in_while_loop(graph)
         self._reduce_scatter = has_reduce_scatter(mesh)
         # the backend's element type on the wire (XLA's CPU widens bfloat16 to float32)
-        self._moved_dtype = {d: moved_dtype(d, mesh) for d in set(graph.dtypes)}
+        self._on_wire = functools.partial(moved_dtype, mesh=mesh)
         self._analyze(prop)
         # the collectives the program writes itself (shard_map bodies), priced like reshards
         self.written: list[Collective] = written_collectives(
-            graph, self.dims, self.axis_sizes, lambda d: moved_dtype(d, mesh)
+            graph, self.dims, self.axis_sizes, self._on_wire
         )
         if out_dims is None:
             out_dims = [self.dims[v] for v in graph.out_vids]
@@ -285,15 +286,11 @@ class Plan(PlanMemory):
         if returned_as is None and not partial:
             shape, *moved, times = moved_array(g, self.dims, a, vid, src, dst)
             # a loop-invariant value moves once, before the loop
-            runs = int(min(runs, made_runs(g, self._runs).get(vid, 1)))
+            runs = int(min(runs, made_runs(g).get(vid, 1)))
         steps = reshard_collectives(
-            shape,
-            self._moved_dtype[g.dtypes[vid]],
-            *moved,
-            self.axis_sizes,
-            partial,
+            shape, self._on_wire(g.dtypes[vid]), *moved, self.axis_sizes, partial,
             self._reduce_scatter,
-        )
+        )  # fmt: skip
         if not steps:
             if returned_as is None:
                 self.slices.append((a, vid))
