@@ -379,7 +379,27 @@ def _split_for_memory(
     graph: Graph, prop: Propagator, reduce_scatter: bool, remat_barriers: bool = True
 ) -> tuple[list[tuple[int, Pin]], Propagator | None]:
     """`split_for_memory`, and a fork of ``prop`` settled as `settle_open` would settle
-    it afterwards (None when nothing was priced): pricing settles that state anyway."""
+    it afterwards (None when nothing was priced): pricing settles that state anyway.
+
+    A split is priced against the plan as propagation left it. A trial that also gave
+    other unhinted weights column layouts (`Propagator.free_factors`) would count their
+    gathers as the split's and refuse it (an expert stack split over its experts, 4x
+    less memory for fewer bytes); those layouts are weighed by whole plans
+    (`jaxshard.plan.make`), so the splits' propagation takes none."""
+    free, prop.free_factors = prop.free_factors, False
+    try:
+        kept, settled = _split_for_memory_rows(graph, prop, reduce_scatter, remat_barriers)
+    finally:
+        prop.free_factors = free
+    if settled is not None:
+        settled.free_factors = free
+    return kept, settled
+
+
+def _split_for_memory_rows(
+    graph: Graph, prop: Propagator, reduce_scatter: bool, remat_barriers: bool
+) -> tuple[list[tuple[int, Pin]], Propagator | None]:
+    """`_split_for_memory` with ``prop``'s free factors off."""
     sizes = prop.axis_sizes
     state = dict.fromkeys(graph.in_vids[i] for i, _ in graph.ties)
     dims = prop.state.dims
