@@ -150,7 +150,8 @@ def measure(devices: int, fast: bool, models_: str = "", search: str = "all") ->
                 row["error"] = f"n/a: a batch of {batch} does not split over {devices} devices"
                 rows.append(row)
                 continue
-            if measured(row, jaxshard.auto_shard(mesh, hints)(w.step), w, mesh):
+            # the hand layout as given: a mesh's "fsdp" axis stores nothing more
+            if measured(row, jaxshard.auto_shard(mesh, hints, fsdp_axes=())(w.step), w, mesh):
                 try:
                     alone = shardy_alone(w.step, w.args, mesh, hints).compile()
                     _dump(row, "xla-alone", alone)

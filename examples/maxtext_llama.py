@@ -208,10 +208,11 @@ def maxtext_row(m: MaxTextStep) -> Row:
 MODES = {"rules": "MaxText's rules", "batch": "batch hint alone", "search": "search"}
 
 
-def sharded(m: MaxTextStep, mode: str, budget: float | None = None):
+def sharded(m: MaxTextStep, mode: str, budget: float | None = None, **extra: Any):
     """MaxText's step under `jaxshard.auto_shard` from the batch hint: ``mode`` "rules"
     passes MaxText's logical axis rules, "batch" reads no Flax metadata, "search" adds
-    the search with ``budget`` as its memory budget (module doc).
+    the search with ``budget`` as its memory budget (module doc); ``extra`` options go
+    to `auto_shard` too.
 
     Example:
         >>> step = sharded(build("llama2"), "rules")  # doctest: +SKIP
@@ -223,14 +224,15 @@ def sharded(m: MaxTextStep, mode: str, budget: float | None = None):
         options["flax_metadata"] = False
     if mode == "search":
         options.update(search=True, memory_budget=budget)
-    return jaxshard.auto_shard(m.mesh, {r"data/.*": m.batch_spec}, **options)(m.step)
+    return jaxshard.auto_shard(m.mesh, {r"data/.*": m.batch_spec}, **options, **extra)(m.step)
 
 
-def jaxshard_row(m: MaxTextStep, mode: str, budget: float | None = None) -> Row:
-    """jaxshard's plan of the step: ``mode`` is "rules", "batch" or "search" (module doc)."""
+def jaxshard_row(m: MaxTextStep, mode: str, budget: float | None = None, **extra: Any) -> Row:
+    """jaxshard's plan of the step: ``mode`` is "rules", "batch" or "search" (module doc);
+    ``extra`` options go to `auto_shard`."""
     with m.rules():
         start = time.perf_counter()
-        step = sharded(m, mode, budget)
+        step = sharded(m, mode, budget, **extra)
         plan = step.plan(*m.args)
         seconds = time.perf_counter() - start
         compiled = step.lower(*m.args).compile()

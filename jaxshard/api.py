@@ -40,7 +40,7 @@ from jaxshard.flax_meta import (
 )
 from jaxshard.graph import updates
 from jaxshard.lower import Lowered
-from jaxshard.options import Options
+from jaxshard.options import Options, fsdp_axes_on
 from jaxshard.pipeline import intercepting, replica_axes
 from jaxshard.plan import Plan, auto_view, make_plan, mesh_axis_sizes
 from jaxshard.search import SearchResult, search_hints
@@ -115,6 +115,7 @@ class AutoShard:
         self.pipeline = options.pipeline
         if self.pipeline is not None:
             self.pipeline.check_mesh(mesh.axis_names)
+        self.fsdp_axes = fsdp_axes_on(options, mesh_axis_sizes(mesh))
         try:
             self._signature: inspect.Signature | None = inspect.signature(fn)
         except (TypeError, ValueError):
@@ -307,7 +308,14 @@ class AutoShard:
             )
             return result.plan
         return make_plan(
-            fn, dyn_args, dyn_kwargs, self.mesh, hints, self.saved_plan, self.cost_model
+            fn,
+            dyn_args,
+            dyn_kwargs,
+            self.mesh,
+            hints,
+            self.saved_plan,
+            self.cost_model,
+            self.fsdp_axes,
         )
 
     def _metadata_hints(self, fn: Callable, dyn_args: tuple, dyn_kwargs: dict) -> dict:
@@ -600,6 +608,15 @@ def auto_shard(
     print progress to stderr. Each plan's ``search_result`` explains its search (the
     wrapper's ``search_result`` is the latest plan's).
     Without search, ``cost_model`` still prices propagation's conflicts.
+
+    ``fsdp_axes`` (a mesh axis name or a tuple of them) stores the step's state over
+    those axes (FSDP, ZeRO-3): every floating parameter and optimizer-state leaf of at
+    least 4 KiB is split over them between steps on its largest dim the plan leaves
+    whole and no hint pins, gathered at its uses, its update computed on its shards;
+    kept where the memory estimate falls (more collective bytes, much less memory). By
+    default it is the mesh's axis named ``"fsdp"`` (MaxText's and Flax's name for the
+    batch axis the parameters are stored over), when not searching; ``fsdp_axes=()``
+    keeps the state where the computation uses it.
 
     ``static_leaves=True`` takes arguments the way ``eqx.filter_jit`` does: array leaves
     (`jax.Array`, NumPy arrays, `jax.ShapeDtypeStruct`) are planned and traced, named by

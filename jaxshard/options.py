@@ -42,6 +42,7 @@ class Options:
     calibrate_memory: bool = False
     static_leaves: bool = False
     pipeline: Pipeline | None = None
+    fsdp_axes: str | Sequence[str] | None = None
 
     @classmethod
     def of(cls, caller: str, keywords: Mapping[str, Any]) -> Options:
@@ -76,6 +77,7 @@ class Options:
                 f"pipeline= takes a jaxshard.Pipeline(axis=..., microbatches=...), got "
                 f"{type(self.pipeline).__name__}: {self.pipeline!r}"
             )
+        _check_fsdp_axes(self.fsdp_axes, self.search, self.plan)
         if not isinstance(self.static_leaves, bool):
             raise ShardingError(
                 f"static_leaves is True or False, got {self.static_leaves!r}; True treats every "
@@ -106,6 +108,59 @@ def _check_search_options(search, memory_budget, cost_model, time_limit, plan) -
             "search=True and plan= both given: a saved plan already fixes every layout; "
             "drop search=True to reuse it, or drop plan= to search again"
         )
+
+
+# the axis name that stores the state by default: MaxText's and Flax's meshes name the
+# batch axis that parameters are also stored over so
+FSDP_AXIS = "fsdp"
+
+
+def _check_fsdp_axes(fsdp_axes, search: bool, plan) -> None:
+    """Reject an ``fsdp_axes`` that is not axis names, or that would be ignored."""
+    if fsdp_axes is None:
+        return
+    axes = (fsdp_axes,) if isinstance(fsdp_axes, str) else fsdp_axes
+    if not isinstance(axes, Sequence) or not all(isinstance(a, str) for a in axes):
+        raise ShardingError(
+            f"fsdp_axes takes mesh axis names (a name or a tuple of names), got {fsdp_axes!r}"
+        )
+    if axes and search:
+        raise ShardingError(
+            f"fsdp_axes={fsdp_axes!r} with search=True: the search chooses what to store over "
+            "which axes itself, within memory_budget; drop fsdp_axes, or drop search=True"
+        )
+    if axes and plan is not None:
+        raise ShardingError(
+            f"fsdp_axes={fsdp_axes!r} with plan=: a saved plan already fixes where the state "
+            "is stored; drop fsdp_axes to reuse it, or drop plan= to plan again"
+        )
+
+
+def fsdp_axes_on(options: Options, axis_sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh axes `auto_shard` stores the step's state over (``fsdp_axes``): the
+    ones given, or by default the mesh's axis named `FSDP_AXIS` (unless the search or a
+    saved plan lays the state out); axes of size 1 dropped. A name the mesh lacks is an
+    error that lists its axes.
+
+    Example:
+        >>> fsdp_axes_on(Options(), {"data": 2, "fsdp": 4, "tensor": 1})
+        ('fsdp',)
+        >>> fsdp_axes_on(Options(fsdp_axes=()), {"fsdp": 4})
+        ()
+    """
+    given = options.fsdp_axes
+    if given is None:
+        if options.search or options.plan is not None:
+            return ()
+        return tuple(a for a in axis_sizes if a == FSDP_AXIS and axis_sizes[a] > 1)
+    axes = (given,) if isinstance(given, str) else tuple(given)
+    for a in axes:
+        if a not in axis_sizes:
+            raise ShardingError(
+                f"fsdp_axes names {a!r}, an axis the mesh lacks; its axes are "
+                f"{tuple(axis_sizes)}: name those to store the state over"
+            )
+    return tuple(dict.fromkeys(a for a in axes if axis_sizes[a] > 1))
 
 
 def _positive_number(x: Any) -> bool:

@@ -332,6 +332,29 @@ def test_calibrate_memory_needs_a_budget_and_a_bool(mesh, options, error):
         jaxshard.auto_shard(mesh, **options)(lambda x: x)
 
 
+@pytest.mark.parametrize(
+    "options, error",
+    [
+        ({"fsdp_axes": "fsdp"}, r"fsdp_axes names 'fsdp', an axis the mesh lacks; its axes are \('data', 'model'\)"),
+        ({"fsdp_axes": 3}, r"fsdp_axes takes mesh axis names .* got 3"),
+        ({"fsdp_axes": ("data", 1)}, r"fsdp_axes takes mesh axis names"),
+        ({"fsdp_axes": "data", "search": True}, r"fsdp_axes='data' with search=True: the search chooses"),
+    ],
+    ids=["missing-axis", "not-a-name", "not-all-names", "with-the-search"],
+)  # fmt: skip
+def test_fsdp_axes_must_name_mesh_axes_and_be_used(mesh, options, error):
+    with pytest.raises(ShardingError, match=error):
+        jaxshard.auto_shard(mesh, **options)(lambda x: x)
+
+
+def test_fsdp_axes_beside_a_saved_plan_says_which_to_drop(mesh):
+    saved = jaxshard.Plan.from_json(
+        jaxshard.auto_shard(mesh)(lambda x: x * 2).plan(jnp.ones(8)).to_json()
+    )
+    with pytest.raises(ShardingError, match=r"fsdp_axes='data' with plan=: a saved plan already"):
+        jaxshard.auto_shard(mesh, plan=saved, fsdp_axes="data")(lambda x: x * 2)
+
+
 def test_a_budget_no_compiled_layout_meets_names_the_compiled_footprint(mesh):
     step = jaxshard.auto_shard(
         mesh, {"batch/x": P("data")}, search=True, memory_budget=64, calibrate_memory=True

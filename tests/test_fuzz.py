@@ -357,14 +357,17 @@ MODEL_HINTS = {  # the batch data parallel, and one weight on "model" where it d
 }
 
 
+@pytest.mark.parametrize("fsdp_axes", [(), ("data",)], ids=["state-as-used", "state-on-data"])
 @pytest.mark.parametrize("name", sorted(models.MODELS))
-def test_model_sgd_steps_match_unsharded_with_fresh_data(mesh, name):
+def test_model_sgd_steps_match_unsharded_with_fresh_data(mesh, name, fsdp_axes):
+    # with fsdp_axes the weights the hints leave free are also stored over "data" (FSDP)
     config_cls, init, loss, make_batch = models.MODELS[name]
     cfg = config_cls()
     opt = optax.sgd(0.1)
     step = models.make_train_step(functools.partial(loss, cfg=cfg), opt)
     hints = {r"batch/.*": P("data"), **MODEL_HINTS[name]}
-    sharded, reference = jaxshard.auto_shard(mesh, hints)(step), jax.jit(step)
+    sharded = jaxshard.auto_shard(mesh, hints, fsdp_axes=fsdp_axes)(step)
+    reference = jax.jit(step)
     params = init(jax.random.key(0), cfg)
     p, s, rp, rs = params, opt.init(params), params, opt.init(params)
     for i in range(2):
@@ -377,6 +380,12 @@ def test_model_sgd_steps_match_unsharded_with_fresh_data(mesh, name):
     specs = sharded.plan(params, opt.init(params), batch).in_specs[0]
     leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda s: isinstance(s, P))
     assert any(spec != P() for spec in leaves), "the hints sharded no parameter"
+    # the MLP's one weight of at least STORED_MIN_BYTES has both dims pinned by its hint
+    if fsdp_axes and name != "mlp":
+        used = {
+            a for spec in leaves for d in spec if d for a in (d if isinstance(d, tuple) else (d,))
+        }
+        assert "data" in used, specs
 
 
 # --- pipelined layer stacks ------------------------------------------------------------

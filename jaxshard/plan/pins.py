@@ -46,12 +46,13 @@ def hint_pins(
     hints: Mapping[str, PartitionSpec],
     axis_sizes: Mapping[str, int],
     chosen: Mapping[int, PartitionSpec] | None = None,
+    chosen_origin: str = SEARCH_ORIGIN,
 ) -> dict[int, Pin]:
     """Per value id, what is pinned: the graph's own pins (`jaxshard.hint` and sharding
     constraints inside the function) merged with the ``hints`` matched on argument and
     result paths and the layouts the search ``chosen`` for arguments (by their index
-    among the arguments, no path matched); two pins of one dim that disagree are an
-    error naming both.
+    among the arguments, no path matched; named ``chosen_origin``); two pins of one dim
+    that disagree are an error naming both.
 
     Example:
         >>> pins = hint_pins(traced, graph, {"x": P("data")}, {"data": 2})  # doctest: +SKIP
@@ -61,7 +62,7 @@ def hint_pins(
     shapes = [graph.shapes[v] for v in vids]
     matched = match_hints(hints, names, shapes, axis_sizes)
     for i, spec in (chosen or {}).items():
-        pin = exact_pin(spec, shapes[i], axis_sizes, names[i], SEARCH_ORIGIN)
+        pin = exact_pin(spec, shapes[i], axis_sizes, names[i], chosen_origin)
         matched[i] = merge_pins(matched[i], pin, names[i]) if i in matched else pin
     pins: dict[int, Pin] = dict(graph.pins)
     for i, pin in matched.items():
