@@ -11,7 +11,7 @@ the batch; jaxshard plans the same step three ways:
 - ``rules``: MaxText's ``logical_axis_rules`` passed through (``logical_axis_rules=``;
   the state's NNX metadata and the model's activation constraints read by them);
 - ``batch``: from the batch hint alone (``flax_metadata=False``): jaxshard lays out the
-  state itself;
+  state itself, stored over MaxText's ``fsdp`` axis (`auto_shard`'s ``fsdp_axes``);
 - ``search``: ``search=True`` from the batch hint, with MaxText's compiled memory as
   ``memory_budget``.
 
