@@ -162,12 +162,13 @@ def made_runs(g: Graph) -> dict[int, float]:
     result, once per run of the code around the loop; a value passed into a call, as
     often as the call runs; a value an equation makes from loop-invariant operands only
     (a weight the body transposes), as often as the most frequently made of them, since
-    XLA hoists it out of the loop. A carry's body input can have its initial value's id: it counts as made
-    once per iteration (a move outside the loop runs once all the same). A value made
-    from constants only (an iota, a literal broadcast) counts as made wherever it is
-    read (``math.inf``): XLA folds it into a constant and sinks that into the loop. A
-    step's argument, and a value a loop body reads from outside (it has the outer
-    value's id), are absent: made once per call, or where their maker runs.
+    XLA hoists it out of the loop. A carry's body input can have its initial value's
+    id: it counts as made once per iteration (a move outside the loop runs once all the
+    same). A value made from constants only (an iota, a literal broadcast) counts as
+    made wherever it is read (``math.inf``): XLA folds it into a constant and sinks that
+    into the loop. A step's argument, and a value a loop body reads from outside (it
+    has the outer value's id), are absent: made once per call, or where their maker
+    runs.
 
     XLA moves such a loop-invariant value once, before the loop (its loop-invariant code
     motion hoists the collective out of the body): a value the body slices by the

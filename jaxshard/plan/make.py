@@ -10,7 +10,6 @@ import gc
 from collections.abc import Callable, Mapping
 
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxshard.annotate import Pin
@@ -18,6 +17,7 @@ from jaxshard.cost import (
     CostModel,
     has_reduce_scatter,
     nbytes,
+    shards,
 )
 from jaxshard.errors import ShardingError
 from jaxshard.graph import Graph, build_graph, contracts, moved_back, view_dims
@@ -25,6 +25,7 @@ from jaxshard.plan.decide import decide
 from jaxshard.plan.pins import (
     SEARCH_ORIGIN,
     _compute_part,
+    batch_axes,
     hint_pins,
     propagate_pins,
     split_storage,
@@ -200,24 +201,16 @@ def stored_over(
     axes, `split_storage` reads them as storage and each layout is also tried with the
     axes on the computation, as a storage hint is, keeping what moves fewer bytes
     (MaxText's tiny llama2: 1577 KiB, 1849 KiB with every leaf stored apart); elsewhere
-    they are storage alone (``storage``). That
-    moves more bytes than keeping the state where the computation uses it, for a
-    fraction of its memory: the trade the user asked for by naming the axes, kept
-    only where the estimate says memory falls.
+    they are storage alone (``storage``). That moves more bytes than keeping the state
+    where the computation uses it, for a fraction of its memory: the trade the user
+    asked for by naming the axes, kept only where the estimate says memory falls.
 
     Example:
         >>> stored_over(traced, graph, mesh, plan, {"batch": P("fsdp")}, ("fsdp",))  # doctest: +SKIP
     """
     sizes = mesh_axis_sizes(mesh)
     pins = hint_pins(traced, graph, hints or {}, sizes)
-    state = {graph.in_vids[i] for i, _ in graph.ties}
-    batch = {  # the axes the pins on the other arguments spend (`split_storage`)
-        a
-        for v in graph.in_vids
-        if v not in state and v in pins
-        for d in pins[v].dims
-        for a in d or ()
-    }
+    batch = batch_axes(pins, graph)
     chosen: dict[int, PartitionSpec] = {}
     apart: dict[int, tuple[tuple[str, ...], ...]] = {}
     for i, _ in graph.ties:
@@ -227,7 +220,7 @@ def stored_over(
             continue
         dims = [tuple(d) for d in plan.dims[vid]]
         free = tuple(a for a in axes if not any(a in d for d in dims))
-        n = int(np.prod([sizes[a] for a in free]))
+        n = shards((free,), sizes)
         pin = pins.get(vid)
         whole = [
             d

@@ -407,17 +407,9 @@ def split_storage(
         >>> compute[1].dims, storage[1].dims
         ((None, ('model',)), (('data',), ('model',)))
     """
-    state = {graph.in_vids[i] for i, _ in graph.ties} | {graph.out_vids[o] for _, o in graph.ties}
-    # the pipeline's stage pins spend their axis on the layer stack the state leaves hold
-    pipeline = (PinKind.PIPELINE, PinKind.MICROBATCHES)
-    spent = {vid: pin for vid, pin in pins.items() if pin.kind not in pipeline}
-    # the axes the batch spends: the pins on the other arguments, else (no such pin: the
-    # step lays its data out inside) every other pin
-    args = set(graph.in_vids)
-    data = [pin for vid, pin in spent.items() if vid not in state and vid in args]
-    if not data:
-        data = [pin for vid, pin in spent.items() if vid not in state]
-    used = {ax for pin in data for d in pin.dims for ax in d or ()}
+    state = _state(graph)
+    spent = _spent(pins)
+    used = batch_axes(pins, graph)
     stored = [
         vid
         for vid, pin in pins.items()
@@ -462,6 +454,36 @@ def split_storage(
         if any(d is not None for d in kept):
             compute[vid] = Pin(kept, pin.source, pin.kind, pin.parts, pin.hint)
     return compute, storage
+
+
+def _state(graph: Graph) -> set[int]:
+    """The step's state: the arguments it returns new values of, and those values."""
+    return {graph.in_vids[i] for i, _ in graph.ties} | {graph.out_vids[o] for _, o in graph.ties}
+
+
+def _spent(pins: Mapping[int, Pin]) -> dict[int, Pin]:
+    """The pins that spend axes on the computation: not the pipeline's stage pins, which
+    spend their axis on the layer stack the state leaves hold."""
+    pipeline = (PinKind.PIPELINE, PinKind.MICROBATCHES)
+    return {vid: pin for vid, pin in pins.items() if pin.kind not in pipeline}
+
+
+def batch_axes(pins: Mapping[int, Pin], graph: Graph) -> set[str]:
+    """The mesh axes the batch spends (`split_storage`): those of the pins on the step's
+    arguments that are not state, else (no such pin: the step lays its data out inside)
+    those of every pin on a value that is not state.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> g = SimpleNamespace(in_vids=[0, 1], out_vids=[2], ties=[(1, 0)])
+        >>> batch_axes({0: Pin((("data",), None), "batch")}, g)
+        {'data'}
+    """
+    state, spent, args = _state(graph), _spent(pins), set(graph.in_vids)
+    data = [pin for vid, pin in spent.items() if vid not in state and vid in args]
+    if not data:
+        data = [pin for vid, pin in spent.items() if vid not in state]
+    return {ax for pin in data for d in pin.dims for ax in d or ()}
 
 
 def _dim_classes(graph: Graph) -> tuple[list[int], list[int]]:
