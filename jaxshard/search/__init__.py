@@ -46,7 +46,8 @@ Outline, module by module:
    touches; it minimizes the estimated time (communication, and compute) of one step
    (`jaxshard.cost.CostModel`) subject to memory at the peak equations at most the budget
    (rows added lazily until the layout's own peak fits), within the time limit. When no
-   layout fits, it finds the smallest-memory one instead.
+   layout fits, it finds the smallest-memory one instead, and splits the largest buffers
+   at that layout's propagated peak further while its estimate falls (`_shrunk`).
 4. `result` reports: the chosen hints go through ordinary propagation (`search_hints`,
    here), whose plan gives the reported bytes and memory, and `SearchResult` explains it;
    a budget nothing meets is an error naming the smallest footprint. Where propagation
@@ -64,11 +65,19 @@ from typing import NamedTuple
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxshard.baseline import compiled_memory
-from jaxshard.cost import CostModel, MemoryEstimate, human_bytes, step_bytes, step_time
+from jaxshard.cost import (
+    CostModel,
+    MemoryEstimate,
+    human_bytes,
+    peak_buffers,
+    step_bytes,
+    step_time,
+)
 from jaxshard.errors import ShardingError, warn
 from jaxshard.lower import Lowered
 from jaxshard.plan import Plan, gc_paused, plan_from_graph, trace_graph
 from jaxshard.search.problem import US, Problem, group_key
+from jaxshard.search.refs import decision_of
 from jaxshard.search.result import SearchResult, raise_over_budget
 from jaxshard.search.solver import Infeasible, smallest_memory, solve
 
@@ -167,6 +176,7 @@ def search_hints(
                     # further), which the model may overrate where propagation gathers
                     for smallest in [*e.choices, problem.baseline()]:
                         propagated(smallest)
+                    _shrunk(problem, tried, propagated, t0 + max(time_limit, RESCUE_SECONDS))
                     memory, plan, choice = min(tried, key=lambda t: t[0].total)
                     if target is None:  # no budget: the model's constraints admit nothing
                         status = "the model admitted no layout: the smallest-memory one tried"
@@ -268,6 +278,56 @@ HEADROOM = 0.95
 # are excluded and the integer program solved again, at most REPRICES times
 MISPRICED = 1.1
 REPRICES = 4
+
+
+def _shrunk(problem, tried: list, propagated, deadline: float) -> None:
+    """Where the model puts every layout over the budget, its smallest-memory layouts
+    need not be the smallest once propagated: the model gives a class one layout
+    everywhere, propagation gives a value its nearest pin's (an output projection whose
+    vocabulary splits over "tensor" only where its input's embedding dim, pinned there,
+    is gathered first). So the largest buffers at the smallest propagated layout's peak
+    are split further, one decision at a time, each by the integer program solved again
+    for least memory with that decision fixed (the decisions it constrains follow), for
+    up to `SHRINK_ROUNDS` rounds while the estimate falls; every layout tried joins
+    ``tried``."""
+    for _ in range(SHRINK_ROUNDS):
+        memory, plan, choice = min(tried, key=lambda t: t[0].total)
+        for d, c in _splits_at_peak(problem, plan, choice, memory):
+            if time.perf_counter() >= deadline:
+                return
+            points = [memory.peak_app] if memory.peak_app >= 0 else []
+            found = smallest_memory(problem, points, True, deadline, {d: c})
+            if found.get(d) == c:
+                propagated(found)
+        if min(t[0].total for t in tried) >= memory.total:
+            return
+
+
+def _splits_at_peak(problem, plan: Plan, choice, memory: MemoryEstimate) -> list:
+    """``(decision, candidate)`` pairs that would split a dim of one of the largest
+    buffers at ``plan``'s estimated peak (at least `SHRINK_SHARE` of its activations)
+    that ``choice`` leaves whole, largest buffer first, at most `SHRINK_TRIES`."""
+    live, copies = plan._held
+    held = peak_buffers(plan.graph, plan.dims, plan.axis_sizes, plan.out_dims, live, copies)
+    pairs = []
+    for size, v in held:
+        if isinstance(v, str) or size < SHRINK_SHARE * memory.activations:
+            continue
+        for ref, axes in zip(problem.refs(v), plan.dims[v]):
+            d = decision_of(ref)
+            if d is None or axes or choice.get(d, 0) != 0:
+                continue
+            for c, cand in enumerate(problem.decisions[d].candidates):
+                if cand and (d, c) not in pairs:
+                    pairs.append((d, c))
+    return pairs[:SHRINK_TRIES]
+
+
+# where no layout fits: the rounds and tries per round of `_shrunk`, and the share of
+# the peak's activations a buffer must hold to be split further
+SHRINK_ROUNDS = 2
+SHRINK_TRIES = 4
+SHRINK_SHARE = 0.1
 
 
 def _repriced(problem, found: Settled, target, propagated, t0, time_limit, say) -> Settled:

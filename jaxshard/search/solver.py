@@ -9,6 +9,7 @@ import itertools
 import os
 import sys
 import time
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -219,15 +220,23 @@ class Model:
 
 
 def smallest_memory(
-    problem: Problem, points: list[int], extras: bool, deadline: float
+    problem: Problem,
+    points: list[int],
+    extras: bool,
+    deadline: float,
+    fixed: Mapping[int, int] | None = None,
 ) -> dict[int, int]:
     """The layout of least estimated per-device memory, ignoring communication: the
     largest memory over the equations in ``points`` (and each layout's own peak, added
-    as found) is minimized. ``extras``: whether groups may store extra axes. The solver
-    stops at ``deadline`` (a `time.perf_counter` time) with the best layout found so far."""
+    as found) is minimized. ``extras``: whether groups may store extra axes; ``fixed``:
+    decisions whose candidate is given. The solver stops at ``deadline`` (a
+    `time.perf_counter` time) with the best layout found so far."""
     model = Model(problem)
     model.allow_extras(range(problem.n_class_decisions, len(problem.decisions)), extras)
     hs, h = model.highspy, model.h
+    for d, c in (fixed or {}).items():
+        off = np.array([x for k, x in enumerate(model.x[d]) if k != c], dtype=np.int32)
+        h.changeColsBounds(len(off), off, np.zeros(len(off)), np.zeros(len(off)))
     m = h.getNumCol()  # a column bounding every memory row from above: minimized
     h.changeColsCost(m, np.arange(m, dtype=np.int32), np.zeros(m))
     h.addCol(1.0, 0.0, hs.kHighsInf, 0, np.array([], dtype=np.int32), np.array([]))
