@@ -294,19 +294,6 @@ def operands_at_use(plan: Plan) -> dict[int, dict[int, tuple]]:
     return found
 
 
-def _one_operation(app) -> bool:
-    """Whether ``app`` is one primitive without a body (a sort, a top-k): XLA gives
-    such an operation one layout for all its results, unlike a loop or a call, whose
-    results are values of their own."""
-    if app.kind is not AppKind.EQN or app.eqn is None:
-        return False
-    return not any(
-        isinstance(v, (ClosedJaxpr, Jaxpr))
-        or (isinstance(v, tuple) and any(isinstance(x, (ClosedJaxpr, Jaxpr)) for x in v))
-        for v in app.eqn.params.values()
-    )
-
-
 def program_name(traced) -> str:
     """The name of the traced user function, for the lowered program (XLA dumps and
     profiles name modules by it); "jaxshard_step" when JAX recorded none.
@@ -413,16 +400,12 @@ class Lowered:
             elif len(reshard_steps(*self._without_unit_axes(r.src, r.dst), self._sizes)) > 1:
                 via[r.vid] = Via(r.src, plan.dims[r.vid])
         for (a, vid), working in plan.sliced_results.items():
-            app = plan.graph.apps[a]
-            if app.rule.plain or (len(app.results) > 1 and _one_operation(app)):
+            if plan.graph.apps[a].rule.plain:
                 # an elementwise result the plan computes whole and slices: pinned only
                 # sliced, Shardy computes it sliced and pulls the finer layout back onto
                 # its operands and their other readers, moving them there instead (a
                 # clipped gradient's select, read by a norm's squares, collective-permuted
-                # and all-to-all'd over "fsdp"). One result of several sliced: XLA gives
-                # an operation one layout for all its results, so the others would be
-                # sliced too and gathered back (a top-k's indices split over "fsdp", its
-                # values wanted whole: MaxText's router)
+                # and all-to-all'd over "fsdp")
                 via.setdefault(vid, Via(working, plan.dims[vid]))
         # per path (a call site of a nested jaxpr): {var: layout} and a hashable key
         self._levels = {}

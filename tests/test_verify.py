@@ -602,31 +602,6 @@ def test_a_new_value_computed_split_and_returned_whole_is_a_predicted_gather(mes
     assert check.ok, check.surprises
 
 
-def test_a_top_k_wanted_whole_and_split_is_computed_whole_for_both_results(mesh):
-    # MaxText's router: a top-k over the experts, its values wanted whole (a scatter's
-    # updates), its indices split over "data" with the batch's positions. XLA gives the
-    # operation one layout for both results: pinned only split, the indices pulled the
-    # top-k into "data" and the values were gathered back, a collective the plan never
-    # asked for; computed whole, the indices are sliced, and nothing is gathered twice
-    def route(x):
-        values, indices = jax.lax.top_k(x, 2)
-        weights = jax.nn.softmax(values)
-        batch, length, experts = x.shape
-        rows = jax.lax.with_sharding_constraint(
-            jnp.arange(batch)[:, None, None], jax.sharding.NamedSharding(mesh, P("data"))
-        )
-        where = (rows, jnp.arange(length)[:, None], indices)
-        return jnp.zeros((batch, length, experts)).at[where].set(weights)
-
-    x = jax.random.normal(jax.random.key(0), (8, 32, 4))
-    planned = jaxshard.auto_shard(mesh, {"x": P("data")})(route)
-    plan = planned.plan(x)
-    assert list(plan.sliced_results.values()) == [((), (), ())]  # the indices, sliced
-    check = plan.verify(planned.lower(x))
-    assert check.ok, check.surprises
-    np.testing.assert_allclose(planned(x), route(x))
-
-
 def test_a_partial_sum_reduced_then_gathered_moves_the_result_not_the_operand(mesh):
     # x @ w contracts the dim w splits over "model": each device holds a partial sum of
     # its rows (split over "data"), wanted whole. The plan all-reduces the result over
