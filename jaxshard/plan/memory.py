@@ -67,9 +67,19 @@ class PlanMemory:
             >>> plan.peak_buffers()[0]  # doctest: +SKIP
             (2101346304, '%812 = dot_general at model.py:324 (64, 4096, 128256) float32 P(...)')
         """
-        live, copies = self._held
-        found = peak_buffers(self.graph, self.dims, self.axis_sizes, self.out_dims, live, copies)
+        found = self.peak_values()
         return [(b, what if isinstance(what, str) else self._named(what)) for b, what in found]
+
+    def peak_values(self) -> list[tuple[int, int | str]]:
+        """`peak_buffers` with each intermediate as its value's id in ``graph`` (a copy
+        XLA makes is still described in words): for code that reads the values' layouts.
+
+        Example:
+            >>> plan.peak_values()[0]  # doctest: +SKIP
+            (2101346304, 812)
+        """
+        live, copies = self._held
+        return peak_buffers(self.graph, self.dims, self.axis_sizes, self.out_dims, live, copies)
 
     @functools.cached_property
     def _held(self) -> tuple[Liveness, list[tuple[int, int, int, str]]]:

@@ -69,7 +69,6 @@ from jaxshard.cost import (
     CostModel,
     MemoryEstimate,
     human_bytes,
-    peak_buffers,
     step_bytes,
     step_time,
 )
@@ -307,10 +306,8 @@ def _splits_at_peak(problem, plan: Plan, choice, memory: MemoryEstimate) -> list
     """``(decision, candidate)`` pairs that would split a dim of one of the largest
     buffers at ``plan``'s estimated peak (at least `SHRINK_SHARE` of its activations)
     that ``choice`` leaves whole, largest buffer first, at most `SHRINK_TRIES`."""
-    live, copies = plan._held
-    held = peak_buffers(plan.graph, plan.dims, plan.axis_sizes, plan.out_dims, live, copies)
     pairs = []
-    for size, v in held:
+    for size, v in plan.peak_values():
         if isinstance(v, str) or size < SHRINK_SHARE * memory.activations:
             continue
         for ref, axes in zip(problem.refs(v), plan.dims[v]):
