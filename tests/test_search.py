@@ -26,7 +26,7 @@ from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes
 from jaxshard.lower import Lowered
 from jaxshard.plan import plan_from_graph, trace_graph
 from jaxshard.plan.make import gradient_contractions
-from jaxshard.search import HEADROOM, group_key, search_hints, solver
+from jaxshard.search import HEADROOM, _shrunk, group_key, search_hints, solver
 from jaxshard.search.problem import Problem, term_index
 from jaxshard.trace import arg_names
 from jaxshard.verify import verify
@@ -820,3 +820,39 @@ def test_a_constraint_in_the_step_lays_out_its_value_not_the_weights(mesh, layer
     searched = jaxshard.auto_shard(mesh, {"x": P("data"), **result.hints})(step)
     with jax.set_mesh(mesh):
         assert_leaves_match(searched(*args), jax.jit(step)(*args))
+
+
+def test_where_nothing_fits_the_largest_buffers_at_the_peak_are_split_further(mesh):
+    # from a layout that splits nothing but the batch, the logits (8 x 32 x 1024) are
+    # most of the peak: each decision that would split one of their dims is fixed in
+    # turn and the rest of the layout solved again for least memory, then propagated
+    def loss(params, x, y):
+        logits = jnp.tanh(x @ params["w"]) @ params["out"]
+        return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(y, 1024), -1))
+
+    def step(params, x, y):
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+    params = {"w": jnp.ones((64, 64)), "out": jnp.ones((64, 1024))}
+    args = (params, jnp.ones((8, 32, 64)), jnp.zeros((8, 32), jnp.int32))
+    hints = {"x": P("data"), "y": P("data")}
+    traced, graph = trace_graph(step, args, {}, mesh)
+    problem = Problem(traced, graph, mesh, hints, CostModel(), 1.0)
+    tried = []
+
+    def propagated(choice):
+        storage = {
+            graph.in_vids[i]: problem.storage_axes(i, choice) or False for i in problem.leaf_group
+        }
+        plan = plan_from_graph(
+            traced, graph, mesh, hints, problem.cost_model, storage=storage,
+            chosen=problem.layouts_for(choice),
+        )  # fmt: skip
+        tried.append((plan.estimated_memory, plan, choice))
+
+    propagated(problem.baseline())
+    _shrunk(problem, tried, propagated, deadline=time.perf_counter() + 60)
+    start, (best, plan, _) = tried[0][0], min(tried, key=lambda t: t[0].total)
+    assert best.total < 0.5 * start.total
+    assert plan.in_specs[0]["out"][1] == "model"  # the vocabulary, split
