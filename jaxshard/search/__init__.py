@@ -65,13 +65,7 @@ from typing import NamedTuple
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxshard.baseline import compiled_memory
-from jaxshard.cost import (
-    CostModel,
-    MemoryEstimate,
-    human_bytes,
-    step_bytes,
-    step_time,
-)
+from jaxshard.cost import CostModel, MemoryEstimate, human_bytes, step_bytes, step_time
 from jaxshard.errors import ShardingError, warn
 from jaxshard.lower import Lowered
 from jaxshard.plan import Plan, gc_paused, plan_from_graph, trace_graph
@@ -291,10 +285,10 @@ def _shrunk(problem, tried: list, propagated, deadline: float) -> None:
     ``tried``."""
     for _ in range(SHRINK_ROUNDS):
         memory, plan, choice = min(tried, key=lambda t: t[0].total)
+        points = [memory.peak_app] if memory.peak_app >= 0 else []
         for d, c in _splits_at_peak(problem, plan, choice, memory):
             if time.perf_counter() >= deadline:
                 return
-            points = [memory.peak_app] if memory.peak_app >= 0 else []
             found = smallest_memory(problem, points, True, deadline, {d: c})
             if found.get(d) == c:
                 propagated(found)

@@ -203,6 +203,11 @@ class Model:
             upper = np.ones(len(cols)) if allowed else np.zeros(len(cols))
             self.h.changeColsBounds(len(cols), cols, np.zeros(len(cols)), upper)
 
+    def fix(self, decision: int, candidate: int) -> None:
+        """Forbid every candidate of ``decision`` but ``candidate``."""
+        off = np.array([c for k, c in enumerate(self.x[decision]) if k != candidate], np.int32)
+        self.h.changeColsBounds(len(off), off, np.zeros(len(off)), np.zeros(len(off)))
+
     def run(self, time_limit: float, say) -> tuple[dict[int, int], bool] | None:
         hs = self.highspy
         self.h.setOptionValue("time_limit", float(time_limit))
@@ -235,8 +240,7 @@ def smallest_memory(
     model.allow_extras(range(problem.n_class_decisions, len(problem.decisions)), extras)
     hs, h = model.highspy, model.h
     for d, c in (fixed or {}).items():
-        off = np.array([x for k, x in enumerate(model.x[d]) if k != c], dtype=np.int32)
-        h.changeColsBounds(len(off), off, np.zeros(len(off)), np.zeros(len(off)))
+        model.fix(d, c)
     m = h.getNumCol()  # a column bounding every memory row from above: minimized
     h.changeColsCost(m, np.arange(m, dtype=np.int32), np.zeros(m))
     h.addCol(1.0, 0.0, hs.kHighsInf, 0, np.array([], dtype=np.int32), np.array([]))
