@@ -40,7 +40,7 @@ from jaxshard.jax_compat import (
     new_var,
 )
 from jaxshard.lattice import to_spec
-from jaxshard.plan import Plan, auto_view, gc_paused
+from jaxshard.plan import Plan, auto_view, dead_apps, gc_paused
 from jaxshard.rule import primitive, region_fn_for
 
 
@@ -294,6 +294,29 @@ def operands_at_use(plan: Plan) -> dict[int, dict[int, tuple]]:
     return found
 
 
+def _slices_some_results(plan: Plan, a: int) -> bool:
+    """Whether application ``a`` is one operation with several results (a top-k, a
+    multi-operand sort) that the plan computes whole and slices only some of: XLA gives
+    such an operation one layout for all its results, so pinned only sliced, the
+    others would be computed sliced too and gathered back (a router's top-k, its indices
+    split with the batch, its values wanted whole). A loop's or a call's results are
+    values of their own, and results all sliced alike are what XLA does anyway."""
+    g = plan.graph
+    app = g.apps[a]
+    if len(app.results) < 2 or app.kind is not AppKind.EQN or app.eqn is None:
+        return False
+    if any(isinstance(v, (ClosedJaxpr, Jaxpr)) for v in jax.tree.leaves(app.eqn.params)):
+        return False
+    whole = [vid for vid in app.results if (a, vid) not in plan.sliced_results]
+    if not whole:
+        return False
+    # a result nothing reads (a top-k's values, when only its indices route) pins nothing:
+    # XLA computes the operation in its operand's layout, as the plan's slice says
+    dead = dead_apps(g)
+    read = {v for i, other in enumerate(g.apps) if i not in dead for v in other.operands}
+    return any(vid in read or vid in g.out_vids for vid in whole)
+
+
 def program_name(traced) -> str:
     """The name of the traced user function, for the lowered program (XLA dumps and
     profiles name modules by it); "jaxshard_step" when JAX recorded none.
@@ -400,7 +423,8 @@ class Lowered:
             elif len(reshard_steps(*self._without_unit_axes(r.src, r.dst), self._sizes)) > 1:
                 via[r.vid] = Via(r.src, plan.dims[r.vid])
         for (a, vid), working in plan.sliced_results.items():
-            if plan.graph.apps[a].rule.plain:
+            app = plan.graph.apps[a]
+            if app.rule.plain or _slices_some_results(plan, a):
                 # an elementwise result the plan computes whole and slices: pinned only
                 # sliced, Shardy computes it sliced and pulls the finer layout back onto
                 # its operands and their other readers, moving them there instead (a
@@ -545,6 +569,11 @@ class Lowered:
                 dims = pins.get(var)
                 if dims is not None:
                     subst[var] = self._constrain(var, dims, eqns, jaxpr.eqns[0])
+        # a call's first result is its body's: the move belongs to the equation inside,
+        # where the body's input keeps its layout up to it. Moved at the call site too,
+        # the body's input was pinned back to the value's own layout and moved again
+        # (a moved operand of ``jnp.cumsum``, a nested jit: gathered twice)
+        calls = {index for index, _, regions in self._regions_of(jaxpr) if regions}
         for index, eqn in enumerate(jaxpr.eqns):
             params = new_params.get(index)
             read = eqn.invars  # the names the plan's moves are keyed by
@@ -553,7 +582,9 @@ class Lowered:
                 eqn = eqn.replace(invars=invars, params=params)
             elif params is not None:
                 eqn = eqn.replace(params=params)
-            moves = uses.get(eqn.outvars[0]) if uses and eqn.outvars else None
+            moves = (
+                uses.get(eqn.outvars[0]) if uses and eqn.outvars and index not in calls else None
+            )
             if moves:
                 eqn = self._moved_operands(eqn, read, moves, subst, eqns)
             eqns.append(eqn)

@@ -8,7 +8,9 @@ collective not predicted, a predicted one missing, and XLA's own warnings (invol
 full rematerialization, replication of a non-divisible dim) captured from its log
 during the compile. Kind, mesh axes and bytes must agree, except for two ways XLA
 realizes the same transfer: a multi-axis collective one axis at a time, and a
-reduce-scatter as an all-reduce of its input. Both sides' bytes per device per call
+reduce-scatter as an all-reduce of its input. A predicted move of a value made from
+constants only (an iota) may be missing: XLA may compute the constant in the layout its
+reader wants instead (`constant_moves`). Both sides' bytes per device per call
 (ring volumes, as the cost model counts them) come with the result, and the compiled
 program's per-device memory: over the memory budget of the search that made the plan,
 that is a surprise too.
@@ -34,6 +36,7 @@ from jaxshard.hlo import (  # noqa: F401  (hlo_collectives and computation_runs:
 )
 from jaxshard.lower import Lowered
 from jaxshard.plan import register_stage
+from jaxshard.plan.apps import made_runs
 
 _WARNINGS = re.compile(
     r"(involuntary full rematerialization|[Ii]nvoluntary|replicat\w+ .*not divisible)"
@@ -137,6 +140,37 @@ def predicted_collectives(plan) -> list[Collective]:
     # a while loop's trip count is not known when planning
     out += [replace(c, runs=None) if c.in_while else c for c in plan.written]
     return out
+
+
+def constant_moves(plan) -> Counter:
+    """Runs per call of the predicted collectives that move a value made from constants
+    only (an iota, a literal's broadcast; `jaxshard.plan.made_runs` counts it made
+    wherever it is read): XLA may compute such a value in the layout its reader wants
+    instead of moving it, so these may be missing from the compiled program.
+
+    Example:
+        >>> constant_moves(plan)  # doctest: +SKIP
+        Counter({Collective(kind='all-gather', axes=frozenset({'data'}), bytes=2048): 2})
+    """
+    made = made_runs(plan.graph)
+    found: Counter = Counter()
+    for r in plan.reshards:
+        if made.get(r.vid) == math.inf and not r.in_while:
+            for s in r.steps:
+                found[Collective(s.kind, s.axes, round(s.bytes), s.group)] += r.runs
+    return found
+
+
+def _excused(missing: list[Collective], optional: Counter) -> list[Collective]:
+    """``missing`` less the runs of ``optional`` ones (`constant_moves`)."""
+    left = []
+    for c in missing:
+        n = c.runs
+        take = min(optional[c], n) if n is not None else 0
+        optional[c] -= take
+        if n is None or n > take:
+            left.append(replace(c, runs=None if n is None else n - take))
+    return left
 
 
 def _match(
@@ -255,6 +289,7 @@ def verify(plan, lowered=None) -> Verification:
     found = compiled_collectives(text, plan.mesh)
     predicted = predicted_collectives(plan)
     unpredicted, missing = _match(predicted, found, plan.axis_sizes)
+    missing = _excused(missing, constant_moves(plan))
     warnings = [line.strip() for line in log if _WARNINGS.search(line)]
     compiled_bytes = sum(c.ring_bytes * (1 if c.runs is None else c.runs) for c in found)
     unknown = len({c for c in found if c.runs is None})

@@ -2,6 +2,7 @@
 run (loop bodies times their trip counts), with both sides' bytes."""
 
 import functools
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,14 @@ from jaxshard.cost import executions
 from jaxshard.explain import explain_plan
 from jaxshard.graph import slices_stack
 from jaxshard.hlo import DTYPE_BYTES, _groups_to_axes, _parse_groups, computation_runs
-from jaxshard.verify import Collective, _match, compiled_collectives, verify
+from jaxshard.verify import (
+    Collective,
+    _excused,
+    _match,
+    compiled_collectives,
+    constant_moves,
+    verify,
+)
 
 GPT_HINTS = {
     r"batch/.*": P("data"),
@@ -600,6 +608,112 @@ def test_a_new_value_computed_split_and_returned_whole_is_a_predicted_gather(mes
     assert returned.collectives == ("all-gather over data",)
     check = plan.verify(planned.lower(*args))
     assert check.ok, check.surprises
+
+
+def test_a_top_k_wanted_whole_and_split_is_computed_whole_for_both_results(mesh):
+    # MaxText's router: a top-k over the experts, its values wanted whole (a scatter's
+    # updates), its indices split over "data" with the batch's positions. XLA gives the
+    # operation one layout for both results: pinned only split, the indices pulled the
+    # top-k into "data" and the values were gathered back, a collective the plan never
+    # asked for; computed whole, the indices are sliced, and nothing is gathered twice
+    def route(x):
+        values, indices = jax.lax.top_k(x, 2)
+        weights = jax.nn.softmax(values)
+        batch, length, experts = x.shape
+        rows = jax.lax.with_sharding_constraint(
+            jnp.arange(batch)[:, None, None], jax.sharding.NamedSharding(mesh, P("data"))
+        )
+        where = (rows, jnp.arange(length)[:, None], indices)
+        return jnp.zeros((batch, length, experts)).at[where].set(weights)
+
+    x = jax.random.normal(jax.random.key(0), (8, 32, 4))
+    planned = jaxshard.auto_shard(mesh, {"x": P("data")})(route)
+    plan = planned.plan(x)
+    assert list(plan.sliced_results.values()) == [((), (), ())]  # the indices, sliced
+    check = plan.verify(planned.lower(x))
+    assert check.ok, check.surprises
+    np.testing.assert_allclose(planned(x), route(x))
+
+
+def test_a_top_k_wanted_whole_and_split_in_a_scanned_layer_verifies(mesh):
+    # the same router in a scanned layer: inside a loop body XLA computes the top-k whole
+    # for its values by itself, and the indices' later readers are as planned
+    def route(x):
+        values, indices = jax.lax.top_k(x, 2)
+        weights = jax.nn.softmax(values)
+        batch, length, experts = x.shape
+        rows = jax.lax.with_sharding_constraint(
+            jnp.arange(batch)[:, None, None], jax.sharding.NamedSharding(mesh, P("data"))
+        )
+        where = (rows, jnp.arange(length)[:, None], indices)
+        return jnp.zeros((batch, length, experts)).at[where].set(weights)
+
+    def layers(x):
+        def body(h, _):
+            return h + route(h), None
+
+        return jax.lax.scan(body, x, None, length=2)[0]
+
+    x = jax.random.normal(jax.random.key(0), (8, 32, 4))
+    planned = jaxshard.auto_shard(mesh, {"x": P("data")})(layers)
+    check = planned.plan(x).verify(planned.lower(x))
+    assert check.ok, check.surprises
+    np.testing.assert_allclose(planned(x), layers(x), rtol=1e-6)
+
+
+def test_a_constant_moved_may_be_computed_where_it_is_read_instead(mesh):
+    # an iota read split with x's rows and sorted whole: the plan gathers it, which XLA
+    # may or may not do (it can compute the constant whole instead); a missing move of a
+    # constant is no surprise, while the plan still counts its bytes
+    def f(x):
+        r = jnp.arange(8.0)
+        return x * r[:, None], jax.lax.sort(r * 2)
+
+    x = jnp.ones((8, 16))
+    planned = jaxshard.auto_shard(mesh, {"x": P("data")})(f)
+    plan = planned.plan(x)
+    moves = constant_moves(plan)
+    (gather,) = moves
+    assert gather.kind == "all-gather" and moves[gather] == 1, plan.reshards
+    assert _excused([gather], moves.copy()) == []  # missing from the program: excused
+    assert _excused([replace(gather, runs=3)], moves.copy()) == [replace(gather, runs=2)]
+    check = plan.verify(planned.lower(x))
+    assert check.ok, check.surprises
+    for got, want in zip(planned(x), f(x), strict=True):
+        np.testing.assert_allclose(got, want)
+
+
+def test_an_operand_moved_for_an_equation_inside_a_call_moves_once(mesh):
+    # jnp.cumsum is a nested jit: the plan gathers the split iota for the cumulative sum
+    # inside it. Moved at the call site too, the call's input was pinned back to its
+    # split layout and gathered again: two all-gathers for one
+    def f(x):
+        r = jnp.arange(8.0) * 3.0
+        return x * r[:, None], jnp.cumsum(r)
+
+    x = jnp.ones((8, 16))
+    planned = jaxshard.auto_shard(mesh, {"x": P("data")})(f)
+    check = planned.plan(x).verify(planned.lower(x))
+    assert check.ok, check.surprises
+    for got, want in zip(planned(x), f(x), strict=True):
+        np.testing.assert_allclose(got, want)
+
+
+def test_a_top_k_sliced_in_both_results_is_left_to_xla(mesh):
+    # both results computed whole and sliced alike: XLA computes the operation and
+    # slices both, as the plan says, with no working layout pinned
+    def route(x):
+        values, indices = jax.lax.top_k(x, 2)
+        return values * 2.0, indices + 1
+
+    x = jax.random.normal(jax.random.key(0), (8, 32, 4))
+    hints = {"x": P("data"), "out/0": P("data"), "out/1": P("data")}
+    planned = jaxshard.auto_shard(mesh, hints)(route)
+    plan = planned.plan(x)
+    check = plan.verify(planned.lower(x))
+    assert check.ok, check.surprises
+    for got, want in zip(planned(x), route(x), strict=True):
+        np.testing.assert_allclose(got, want)
 
 
 def test_a_partial_sum_reduced_then_gathered_moves_the_result_not_the_operand(mesh):
