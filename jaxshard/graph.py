@@ -126,6 +126,9 @@ class Graph:
     # output (its result): they run once per iteration, where the output is handed to the
     # next iteration's input
     carry_links: set[int] = field(default_factory=set, repr=False)
+    # values a higher-order equation reads outside all of its regions (a cond's branch
+    # index): no application reads them, yet they are computed, reductions and all
+    read_outside: set[int] = field(default_factory=set, repr=False)
     # equations propagation does not cross (shard_map): their collectives are the program's
     boundaries: list[Boundary] = field(default_factory=list)
     unknown: dict[str, str] = field(default_factory=dict)  # primitive -> first source line
@@ -553,6 +556,8 @@ def _build_regions(
 ) -> None:
     results: list[int | None] = [None] * len(eqn.outvars)
     pending: list[tuple[int, int, Rule | None]] = []  # (outer result, inner vid, rule)
+    linked = {link.outer.index for r in regions for link in r.links if link.outer.side is Side.IN}
+    g.read_outside.update(v for i, v in enumerate(operands) if i not in linked)
     body = len(g.apps)  # the first application of the equation's regions
     for r, region in enumerate(regions):
         inner_in: list[int | None] = [None] * len(region.jaxpr.invars)

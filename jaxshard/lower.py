@@ -294,24 +294,33 @@ def operands_at_use(plan: Plan) -> dict[int, dict[int, tuple]]:
     return found
 
 
-def _slices_some_results(plan: Plan, a: int) -> bool:
-    """Whether application ``a`` is one operation with several results (a top-k, a
-    multi-operand sort) that the plan computes whole and slices only some of: XLA gives
-    such an operation one layout for all its results, so pinned only sliced, the
-    others would be computed sliced too and gathered back (a router's top-k, its indices
-    split with the batch, its values wanted whole). A loop's or a call's results are
-    values of their own, and results all sliced alike are what XLA does anyway."""
+def _computed_whole(plan: Plan, a: int) -> bool:
+    """Whether the lowered program pins result(s) of application ``a`` that the plan
+    computes whole and slices to that working layout first (`Plan.sliced_results`).
+    Pinned only sliced, Shardy picks the layout to compute in by itself: an elementwise
+    result sliced pulls the finer layout back onto its operands and their other readers,
+    moving them there instead (a clipped gradient's select, read by a norm's squares,
+    collective-permuted and all-to-all'd over "fsdp"); a concatenation along the sliced
+    dim is computed split along another dim and all-to-all'd (``jnp.roll``), or
+    miscompiled where its pieces do not divide. One operation with several results (a
+    top-k) gets one layout for all of them from XLA: some sliced and others read whole,
+    the others were computed sliced too and gathered back (a router's top-k, its indices
+    split with the batch, its values wanted whole); all sliced, or the others read by
+    nothing, XLA computes it as the plan says and a pin only adds a gather. A loop's or a
+    call's results are values of their own."""
     g = plan.graph
     app = g.apps[a]
-    if len(app.results) < 2 or app.kind is not AppKind.EQN or app.eqn is None:
+    if app.rule.plain:
+        return True
+    if app.kind is not AppKind.EQN or app.eqn is None:
         return False
     if any(isinstance(v, (ClosedJaxpr, Jaxpr)) for v in jax.tree.leaves(app.eqn.params)):
         return False
+    if len(app.results) < 2:
+        return True
     whole = [vid for vid in app.results if (a, vid) not in plan.sliced_results]
     if not whole:
         return False
-    # a result nothing reads (a top-k's values, when only its indices route) pins nothing:
-    # XLA computes the operation in its operand's layout, as the plan's slice says
     dead = dead_apps(g)
     read = {v for i, other in enumerate(g.apps) if i not in dead for v in other.operands}
     return any(vid in read or vid in g.out_vids for vid in whole)
@@ -423,13 +432,7 @@ class Lowered:
             elif len(reshard_steps(*self._without_unit_axes(r.src, r.dst), self._sizes)) > 1:
                 via[r.vid] = Via(r.src, plan.dims[r.vid])
         for (a, vid), working in plan.sliced_results.items():
-            app = plan.graph.apps[a]
-            if app.rule.plain or _slices_some_results(plan, a):
-                # an elementwise result the plan computes whole and slices: pinned only
-                # sliced, Shardy computes it sliced and pulls the finer layout back onto
-                # its operands and their other readers, moving them there instead (a
-                # clipped gradient's select, read by a norm's squares, collective-permuted
-                # and all-to-all'd over "fsdp")
+            if _computed_whole(plan, a):
                 via.setdefault(vid, Via(working, plan.dims[vid]))
         # per path (a call site of a nested jaxpr): {var: layout} and a hashable key
         self._levels = {}

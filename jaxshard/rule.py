@@ -76,7 +76,11 @@ class Window:
     low + j * dilation`` for ``j < extent`` (positions outside it are padding). A pad is
     a window of extent 1 (``low`` its low padding, negative to crop), a strided
     convolution's rows a window of the kernel's height. With ``reverse`` the dim is
-    read back to front (`lax.rev`): each shard's rows live on the mirror device.
+    read back to front (`lax.rev`): each shard's rows live on the mirror device. With
+    ``written`` ``(start, rows)`` the dim is an update's destination (a dynamic update
+    slice at a constant start): each shard writes the update's rows that fall in it,
+    when they all fall in one shard; rows across a shard boundary make XLA's partitioner
+    gather the dim.
 
     Example:
         >>> Window(size=64, out=64, extent=3, low=1).halo(8)  # a 3x3 'SAME' convolution
@@ -85,6 +89,8 @@ class Window:
         (0, 0)
         >>> Window(size=64, out=64, reverse=True).permutes(8)  # each shard to its mirror
         (8,)
+        >>> Window(size=8, out=8, written=(3, 2)).halo(2), Window(8, 8, written=(4, 2)).halo(2)
+        (None, (0, 0))
     """
 
     size: int
@@ -96,6 +102,7 @@ class Window:
     base_dilation: int = 1
     reverse: bool = False
     operand: int = 0
+    written: tuple[int, int] | None = None
 
     def halo(self, n: int) -> tuple[int, int] | None:
         """Rows (of the operand) each of ``n`` equal shards needs from the shard before
@@ -124,6 +131,9 @@ def _halo(w: Window, n: int) -> tuple[int, int] | None:
     if w.size % n or w.out % n or w.reverse:
         return None
     shard, out_shard = w.size // n, w.out // n
+    if w.written is not None:
+        start, rows = w.written
+        return (0, 0) if start // shard == (start + rows - 1) // shard else None
     dilated = (w.size - 1) * w.base_dilation + 1
     before = after = 0
     for s in range(n):
@@ -133,8 +143,12 @@ def _halo(w: Window, n: int) -> tuple[int, int] | None:
         first_row, last_row = -(-first // w.base_dilation), last // w.base_dilation
         if first_row > last_row:
             continue  # the shard reads padding only
-        before = max(before, s * shard - first_row)
-        after = max(after, last_row - ((s + 1) * shard - 1))
+        # the rows it reads of the shards before and after its own (all of them in one
+        # neighbour's, when the window reads none of its own: ``x[:2]`` of two shards)
+        if first_row < (s - 1) * shard or last_row >= (s + 2) * shard:
+            return None  # rows beyond its neighbours
+        before = max(before, min(last_row + 1, s * shard) - first_row)
+        after = max(after, last_row + 1 - max(first_row, (s + 1) * shard))
     if before > shard or after > shard:
         return None
     return (before, after)

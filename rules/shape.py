@@ -224,16 +224,17 @@ def dynamic_slice_rule(eqn: JaxprEqn) -> Rule:
 @register_rule(p.dynamic_update_slice_p)
 def dynamic_update_slice_rule(eqn: JaxprEqn) -> Rule:
     """A dim the update covers in part: the operand's and the result's rows are one
-    factor, the update's its own, need-replication (each device writes the update's rows
-    that fall in its own). Written at a constant start, the shared factor passes
-    through; at a traced one it is need-replication too.
+    factor, the update's its own, need-replication. Written at a constant start, the
+    shared factor is a window written there (`Window.written`): split so that the
+    update's rows fall in one shard, that shard writes them and the others pass through;
+    split across them, XLA gathers the dim. At a traced start it is need-replication too.
 
     Example:
         >>> import jax, jax.numpy as jnp
         >>> f = lambda x, u: jax.lax.dynamic_update_slice(x, u, (2, 0))
         >>> eqn = jax.make_jaxpr(f)(jnp.ones((4, 8)), jnp.ones((2, 8))).eqns[0]
         >>> print(dynamic_update_slice_rule(eqn))
-        ([a, c], [b, c], [], [])->([a, c]) need_replication={b} {a=4, b=2, c=8}
+        ([a, c], [b, c], [], [])->([a, c]) need_replication={b} window={a} {a=4, b=2, c=8}
     """
     (shape, update, *_), (out,) = shapes_of(eqn.invars), shapes_of(eqn.outvars)
     starts = _constant_starts(eqn, 2)
@@ -242,8 +243,11 @@ def dynamic_update_slice_rule(eqn: JaxprEqn) -> Rule:
         if update[d] == size:
             b.add_factor({0: d, 1: d}, {0: d}, size)
             continue
-        kind = FactorKind.PASS if starts[d] is not None else NEED
-        b.add_factor({0: d}, {0: d}, size, kind)
+        if starts[d] is None:
+            b.add_factor({0: d}, {0: d}, size, NEED)
+        else:
+            start = min(max(starts[d], 0), size - update[d])  # XLA clamps the start
+            b.add_factor({0: d}, {0: d}, window=Window(size, size, written=(start, update[d])))
         b.add_factor({1: d}, {}, update[d], NEED)
     return b.build()
 

@@ -103,6 +103,7 @@ def test_halos_over_eight_devices_are_the_compiled_collective_permutes(
         (Window(32, 64, 3, low=1, base_dilation=2), 8, (0, 1)),  # a stride-2 input gradient
         (Window(28, 30, low=1), 2, (0, 0)),  # edge padding on two shards: local
         (Window(64, 32, low=-40), 8, None),  # a slice far from its shard
+        (Window(8, 2), 2, (1, 0)),  # x[:2]: the second shard's row is the first's row 1
         (Window(16, 16, 9, low=4), 8, None),  # a halo wider than a shard
     ],
 )

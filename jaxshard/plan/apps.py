@@ -35,7 +35,7 @@ def dead_apps(g: Graph) -> set[int]:
         if app.kind is not AppKind.EQN:  # links and ties read their results too
             for v in app.results:
                 readers[v] += 1
-    for v in g.out_vids:
+    for v in (*g.out_vids, *g.read_outside):
         readers[v] += 1
     producer = g.producers()
     dead: set[int] = set()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -260,7 +261,7 @@ class Plan(PlanMemory):
         to = without_unit_axes(dst, self.axis_sizes)
         scopes = self._moved.setdefault((vid, to), set())
         if scope in scopes:
-            if contracts(self.graph.apps[a]):
+            if contracts(self.graph.apps[a]) or self._cuts_unevenly(a, vid, src):
                 self.repeats.append((a, vid, dst))
                 return
             self.moved_again.append((a, vid, dst))
@@ -273,6 +274,23 @@ class Plan(PlanMemory):
                 start = step  # moved there before in this computation: XLA merges it
             done.add(scope)
         self._add_reshard(a, vid, start, dst, frozenset())
+
+    def _cuts_unevenly(self, a: int, vid: int, src: tuple[DimSharding, ...]) -> bool:
+        """Whether application ``a`` cuts operand ``vid`` (laid out ``src``) into a
+        result whose dim its split does not divide (``x[:7]`` of eight rows split in
+        two): left unconstrained, XLA's partitioner makes a program its own verifier
+        rejects, so such a use reads the moved copy too."""
+        g = self.graph
+        shape = g.shapes[vid]
+        for r in g.apps[a].results:
+            out = g.shapes[r]
+            if len(out) != len(shape):
+                continue
+            for d, axes in enumerate(src):
+                n = math.prod(self.axis_sizes[x] for x in axes)
+                if n > 1 and out[d] != shape[d] and out[d] % n:
+                    return True
+        return False
 
     def _add_reshard(self, a, vid, src, dst, partial, returned_as: int | None = None) -> None:
         """Value ``vid`` of application ``a`` moves from ``src`` to ``dst`` (``returned_as``:
@@ -291,6 +309,8 @@ class Plan(PlanMemory):
             shape, self._on_wire(g.dtypes[vid]), *moved, self.axis_sizes, partial,
             self._reduce_scatter,
         )  # fmt: skip
+        if 0 in g.shapes[vid]:  # an empty array (an odd-length scan's last half): XLA
+            steps = []  # moves nothing
         if not steps:
             if returned_as is None:
                 self.slices.append((a, vid))
