@@ -610,22 +610,25 @@ def test_a_new_value_computed_split_and_returned_whole_is_a_predicted_gather(mes
     assert check.ok, check.surprises
 
 
-def test_a_top_k_wanted_whole_and_split_is_computed_whole_for_both_results(mesh):
-    # MaxText's router: a top-k over the experts, its values wanted whole (a scatter's
-    # updates), its indices split over "data" with the batch's positions. XLA gives the
-    # operation one layout for both results: pinned only split, the indices pulled the
-    # top-k into "data" and the values were gathered back, a collective the plan never
-    # asked for; computed whole, the indices are sliced, and nothing is gathered twice
-    def route(x):
-        values, indices = jax.lax.top_k(x, 2)
-        weights = jax.nn.softmax(values)
-        batch, length, experts = x.shape
-        rows = jax.lax.with_sharding_constraint(
-            jnp.arange(batch)[:, None, None], jax.sharding.NamedSharding(mesh, P("data"))
-        )
-        where = (rows, jnp.arange(length)[:, None], indices)
-        return jnp.zeros((batch, length, experts)).at[where].set(weights)
+def _route(x, mesh):
+    """MaxText's router: a top-k over the experts, its values wanted whole (a scatter's
+    updates), its indices split over "data" with the batch's positions."""
+    values, indices = jax.lax.top_k(x, 2)
+    weights = jax.nn.softmax(values)
+    batch, length, experts = x.shape
+    rows = jax.lax.with_sharding_constraint(
+        jnp.arange(batch)[:, None, None], jax.sharding.NamedSharding(mesh, P("data"))
+    )
+    where = (rows, jnp.arange(length)[:, None], indices)
+    return jnp.zeros((batch, length, experts)).at[where].set(weights)
 
+
+def test_a_top_k_wanted_whole_and_split_is_computed_whole_for_both_results(mesh):
+    # XLA gives the operation one layout for both results: pinned only split, the
+    # indices pulled the top-k into "data" and the values were gathered back, a
+    # collective the plan never asked for; computed whole, the indices are sliced, and
+    # nothing is gathered twice
+    route = functools.partial(_route, mesh=mesh)
     x = jax.random.normal(jax.random.key(0), (8, 32, 4))
     planned = jaxshard.auto_shard(mesh, {"x": P("data")})(route)
     plan = planned.plan(x)
@@ -636,21 +639,10 @@ def test_a_top_k_wanted_whole_and_split_is_computed_whole_for_both_results(mesh)
 
 
 def test_a_top_k_wanted_whole_and_split_in_a_scanned_layer_verifies(mesh):
-    # the same router in a scanned layer: inside a loop body XLA computes the top-k whole
-    # for its values by itself, and the indices' later readers are as planned
-    def route(x):
-        values, indices = jax.lax.top_k(x, 2)
-        weights = jax.nn.softmax(values)
-        batch, length, experts = x.shape
-        rows = jax.lax.with_sharding_constraint(
-            jnp.arange(batch)[:, None, None], jax.sharding.NamedSharding(mesh, P("data"))
-        )
-        where = (rows, jnp.arange(length)[:, None], indices)
-        return jnp.zeros((batch, length, experts)).at[where].set(weights)
-
+    # the same router in a scanned layer's body: computed whole there too
     def layers(x):
         def body(h, _):
-            return h + route(h), None
+            return h + _route(h, mesh), None
 
         return jax.lax.scan(body, x, None, length=2)[0]
 
