@@ -21,6 +21,7 @@ from helpers import assert_leaves_match, maxtext_like
 from jax.sharding import PartitionSpec as P
 
 import jaxshard
+import jaxshard.search as search_module
 from jaxshard.baseline import compiled_memory
 from jaxshard.cost import CostModel, liveness, memory_estimate, step_bytes
 from jaxshard.lower import Lowered
@@ -856,3 +857,31 @@ def test_where_nothing_fits_the_largest_buffers_at_the_peak_are_split_further(me
     start, (best, plan, _) = tried[0][0], min(tried, key=lambda t: t[0].total)
     assert best.total < 0.5 * start.total
     assert plan.in_specs[0]["out"][1] == "model"  # the vocabulary, split
+
+
+@pytest.mark.filterwarnings("ignore:jaxshard search did not prove")
+def test_where_the_model_admits_nothing_a_propagated_layout_within_budget_moves_least(
+    mesh, monkeypatch
+):
+    # the model's memory rows can put every layout over a budget that propagation meets
+    # (the 8B shape on 8x8 from no hints): then the layouts propagated on the way that
+    # fit are kept, the one moving the fewest bytes, not the smallest (split further, it
+    # traded bytes for memory the budget did not ask for: 1.98x the best hand layout's)
+    step, args = abstract_step("gpt")
+    made = []
+
+    def infeasible(problem, t0, time_limit, say):
+        deadline = time.perf_counter() + 5.0
+        raise solver.Infeasible([solver.smallest_memory(problem, [], e, deadline) for e in (0, 1)])
+
+    def recorded(*a, **k):
+        plan = plan_from_graph(*a, **k)
+        made.append(plan)
+        return plan
+
+    monkeypatch.setattr(search_module, "solve", infeasible)
+    monkeypatch.setattr(search_module, "plan_from_graph", recorded)
+    result = search_hints(step, args, {}, mesh, BATCH, memory_budget=2**40)
+    assert "fewest bytes" in result.explanation, result.explanation
+    assert result.predicted_bytes == min(step_bytes(p) for p in made)
+    assert len({step_bytes(p) for p in made}) > 1  # the choice was not moot

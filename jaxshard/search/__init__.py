@@ -169,6 +169,17 @@ def search_hints(
                     # further), which the model may overrate where propagation gathers
                     for smallest in [*e.choices, problem.baseline()]:
                         propagated(smallest)
+                    fits = [t for t in tried if target is not None and t[0].total <= target]
+                    if fits:
+                        # propagation fits where the model did not: of those layouts, the
+                        # one moving the fewest bytes (split further, the smallest would
+                        # trade bytes for memory the budget does not ask for)
+                        memory, plan, choice = min(fits, key=lambda t: step_bytes(t[1]))
+                        status = (
+                            "the model put every layout over budget: of its smallest, the "
+                            "one moving the fewest bytes within it once propagated"
+                        )
+                        return Settled(plan, memory, choice, False, status)
                     _shrunk(problem, tried, propagated, t0 + max(time_limit, RESCUE_SECONDS))
                     memory, plan, choice = min(tried, key=lambda t: t[0].total)
                     if target is None:  # no budget: the model's constraints admit nothing
