@@ -40,7 +40,7 @@ from jaxshard.jax_compat import (
     new_var,
 )
 from jaxshard.lattice import to_spec
-from jaxshard.plan import Plan, auto_view, dead_apps, gc_paused
+from jaxshard.plan import Plan, auto_view, gc_paused, read_values
 from jaxshard.rule import primitive, region_fn_for
 
 
@@ -318,12 +318,8 @@ def _computed_whole(plan: Plan, a: int) -> bool:
         return False
     if len(app.results) < 2:
         return True
-    whole = [vid for vid in app.results if (a, vid) not in plan.sliced_results]
-    if not whole:
-        return False
-    dead = dead_apps(g)
-    read = {v for i, other in enumerate(g.apps) if i not in dead for v in other.operands}
-    return any(vid in read or vid in g.out_vids for vid in whole)
+    read = read_values(g)
+    return any((a, vid) not in plan.sliced_results and vid in read for vid in app.results)
 
 
 def program_name(traced) -> str:

@@ -15,7 +15,7 @@ to end).
 """
 
 from jaxshard.graph import contracts
-from jaxshard.plan.apps import analyzed_apps, app_moves, dead_apps, duplicate_app
+from jaxshard.plan.apps import analyzed_apps, app_moves, dead_apps, duplicate_app, read_values
 from jaxshard.plan.decide import UNREACHED, decide, settle_open, split_for_memory
 from jaxshard.plan.make import (
     gc_paused,
@@ -39,6 +39,7 @@ __all__ = [
     "auto_view",
     "contracts",
     "dead_apps",
+    "read_values",
     "decide",
     "duplicate_app",
     "gc_paused",

@@ -18,6 +18,24 @@ from jaxshard.propagate import (
 from jaxshard.rule import FactorKind
 
 
+def read_values(g: Graph) -> frozenset[int]:
+    """Values something reads: an application `dead_apps` keeps, the step's results, an
+    equation outside its regions (a cond's branch index).
+
+    Example:
+        >>> read_values(plan.graph)  # doctest: +SKIP
+        frozenset({0, 1, 4})
+    """
+    cached = g.memo.get("read_values")
+    if cached is not None and cached[0] == len(g.apps):
+        return cached[1]
+    dead = dead_apps(g)
+    found = {v for a, app in enumerate(g.apps) if a not in dead for v in app.operands}
+    found = frozenset(found.union(g.out_vids, g.read_outside))
+    g.memo["read_values"] = (len(g.apps), found)
+    return found
+
+
 def dead_apps(g: Graph) -> set[int]:
     """Equations whose results nothing uses (JAX's tracing keeps them; XLA removes them).
 

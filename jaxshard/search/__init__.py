@@ -169,12 +169,12 @@ def search_hints(
                     # further), which the model may overrate where propagation gathers
                     for smallest in [*e.choices, problem.baseline()]:
                         propagated(smallest)
-                    fits = [t for t in tried if target is not None and t[0].total <= target]
-                    if fits:
+                    best = _fewest_bytes_within(tried, target)
+                    if best is not None:
                         # propagation fits where the model did not: of those layouts, the
                         # one moving the fewest bytes (split further, the smallest would
                         # trade bytes for memory the budget does not ask for)
-                        memory, plan, choice = min(fits, key=lambda t: step_bytes(t[1]))
+                        memory, plan, choice = best
                         status = (
                             "the model put every layout over budget: of its smallest, the "
                             "one moving the fewest bytes within it once propagated"
@@ -217,9 +217,9 @@ def search_hints(
                 say(f"propagation needs {human_bytes(memory.total)}, the model said "
                     f"{human_bytes(modeled)}: searching again within "
                     f"{human_bytes(problem.budget)}")  # fmt: skip
-            fits = [t for t in tried if target is not None and t[0].total <= target]
-            if fits:  # a layout propagated on the way fits: the one moving fewest bytes
-                memory, plan, choice = min(fits, key=lambda t: step_bytes(t[1]))
+            best = _fewest_bytes_within(tried, target)
+            if best is not None:  # a layout propagated on the way fits
+                memory, plan, choice = best
                 return Settled(plan, memory, choice, False, "the best layout found within it")
             memory, plan, choice = min(tried, key=lambda t: t[0].total)
             if strict:
@@ -330,6 +330,13 @@ def _splits_at_peak(problem, plan: Plan, choice, memory: MemoryEstimate) -> list
 SHRINK_ROUNDS = 2
 SHRINK_TRIES = 4
 SHRINK_SHARE = 0.1
+
+
+def _fewest_bytes_within(tried: list, target: float | None):
+    """Of the ``(memory, plan, choice)`` layouts propagated so far, the one moving the
+    fewest bytes among those whose estimate is within ``target``; None when none is."""
+    fits = [t for t in tried if target is not None and t[0].total <= target]
+    return min(fits, key=lambda t: step_bytes(t[1])) if fits else None
 
 
 def _repriced(problem, found: Settled, target, propagated, t0, time_limit, say) -> Settled:
