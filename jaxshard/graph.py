@@ -127,7 +127,8 @@ class Graph:
     # next iteration's input
     carry_links: set[int] = field(default_factory=set, repr=False)
     # values a higher-order equation reads outside all of its regions (a cond's branch
-    # index): no application reads them, yet they are computed, reductions and all
+    # index) or that a region computes for the equation itself (a while loop's
+    # predicate): no application reads them, yet they are computed, reductions and all
     read_outside: set[int] = field(default_factory=set, repr=False)
     # equations propagation does not cross (shard_map): their collectives are the program's
     boundaries: list[Boundary] = field(default_factory=list)
@@ -569,6 +570,11 @@ def _build_regions(
             for vid, var in zip(inner_in, region.jaxpr.invars)
         ]
         inner_out = _build(g, region.jaxpr, inner_in_vids, path + (r,), axis_sizes, where)
+        # a region's result no link hands out (a while loop's predicate) is read there
+        out_linked = {link.inner.index for link in region.links if link.inner.side is Side.OUT}
+        g.read_outside.update(
+            v for j, v in enumerate(inner_out) if j not in out_linked and v is not None
+        )
         inner = {Side.IN: inner_in_vids, Side.OUT: inner_out}
         for link in region.links:
             kind, i = link.outer

@@ -710,6 +710,16 @@ _LIBRARY_STEPS = {
     ),
     # a cond's branch index is read by the cond alone: its sum is all-reduced all the same
     "cond": (lambda x: jax.lax.cond(x.sum() > 0, lambda y: y * 2, lambda y: y - 1, x), P("data")),
+    # a while loop's predicate is read by the loop alone: its max over the split carry
+    # is all-reduced every iteration all the same
+    "while_predicate": (
+        lambda x: jax.lax.while_loop(
+            lambda c: (c[0] < 10) & (jnp.max(jnp.abs(c[1])) > 0.1),
+            lambda c: (c[0] + 1, c[1] * 0.5),
+            (0, x),
+        )[1],
+        P("data", "model"),
+    ),
 }
 
 
