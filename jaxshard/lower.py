@@ -566,6 +566,11 @@ class Lowered:
         if path and jaxpr.eqns:  # a body's inputs (loop carries) keep their layout too
             for var in jaxpr.invars:
                 dims = pins.get(var)
+                if isinstance(dims, Via):
+                    # moved where it was computed: it arrives in its layout. Taken back
+                    # through the working layout, it was gathered and sliced again in
+                    # every call (per-example keys split whole, then sliced with the batch)
+                    dims = dims.dims
                 if dims is not None:
                     subst[var] = self._constrain(var, dims, eqns, jaxpr.eqns[0])
         # a call's first result is its body's: the move belongs to the equation inside,

@@ -733,6 +733,23 @@ def test_library_functions_on_split_arrays_verify(mesh, name):
     np.testing.assert_allclose(planned(x), f(x), rtol=1e-6, atol=1e-6)
 
 
+def test_a_value_computed_whole_and_sliced_arrives_sliced_in_the_calls_it_is_passed_to(mesh):
+    # per-example keys: split whole from one key, sliced with the batch, passed into
+    # jax.random's nested calls. Taken back through the whole layout at each call's input,
+    # they were all-gathered and sliced again in each (two collectives not predicted)
+    def dropout_mask(key, x):
+        keys = jax.random.split(key, x.shape[0])
+        mask = jax.vmap(lambda k: jax.random.bernoulli(k, 0.5, (x.shape[1],)))(keys)
+        return jnp.where(mask, x, 0.0)
+
+    args = (jax.random.key(3), jax.random.normal(jax.random.key(0), (8, 16)))
+    planned = jaxshard.auto_shard(mesh, {"x": P("data")})(dropout_mask)
+    check = planned.plan(*args).verify(planned.lower(*args))
+    assert check.ok, check.surprises
+    assert not check.found, check.found
+    np.testing.assert_array_equal(planned(*args), jax.jit(dropout_mask)(*args))
+
+
 def test_a_top_k_sliced_in_both_results_is_left_to_xla(mesh):
     # both results computed whole and sliced alike: XLA computes the operation and
     # slices both, as the plan says, with no working layout pinned
