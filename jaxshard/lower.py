@@ -551,7 +551,11 @@ class Lowered:
                 else:
                     items = list(params[region.param])
                     items[region.index] = new
-                    params[region.param] = tuple(items)
+                    # a named tuple keeps its type (a linear solve's jaxprs, read by name)
+                    kind = type(params[region.param])
+                    params[region.param] = (
+                        kind(*items) if hasattr(kind, "_fields") else tuple(items)
+                    )
             if params is not None:
                 new_params[index] = params
         if path:

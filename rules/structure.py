@@ -4,7 +4,8 @@
 `custom_vjp_call`, `composite` (a named decomposition), `linear_call` (its callee) and
 `remat_opt` (a custom-vjp forward under remat) and `custom_vmap_call` call one inner jaxpr on the equation's
 operands: each operand is the
-inner input of the same position and each result the inner output. The links are
+inner input of the same position and each result the inner output; `custom_linear_solve`
+calls its ``solve`` jaxpr on that jaxpr's constants and the right-hand side. The links are
 identities, so the engine inlines them; lowering rewrites each body in place, so nested
 jits, custom derivatives and rematerialization boundaries survive. `shard_map` is a boundary: its
 in/out specs are fixed layouts of its operands and results, and its manual body is not
@@ -122,6 +123,34 @@ def _positional_region(eqn: JaxprEqn, param: str) -> list[Region]:
     links = [Link(Port(Side.IN, i), Port(Side.IN, i)) for i in range(len(eqn.invars))]
     links += [Link(Port(Side.OUT, i), Port(Side.OUT, i)) for i in range(len(eqn.outvars))]
     return [Region(inner.jaxpr, tuple(inner.consts), tuple(links), param=param)]
+
+
+@register_region(p.linear_solve_p)
+def linear_solve_region(eqn: JaxprEqn) -> list[Region]:
+    """`jax.lax.custom_linear_solve` computes ``solve`` on its constants and the right-hand
+    side (the operands: each of its four jaxprs' constants, in the order matvec, vecmat,
+    solve, transpose_solve, then the right-hand side); the other jaxprs only serve its
+    derivatives, which JAX traces as equations of their own.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> f = lambda a, b: jnp.linalg.solve(a, b)
+        >>> jaxpr = jax.make_jaxpr(f)(jnp.eye(3)[None], jnp.ones((1, 3, 1)))
+        >>> solve = lambda j: next(e for e in j.eqns if e.primitive.name == "custom_linear_solve")
+        >>> eqn = solve(jaxpr.eqns[0].params["jaxpr"].jaxpr)
+        >>> region, = linear_solve_region(eqn)
+        >>> region.param, region.index, [str(link.outer) for link in region.links]
+        ('jaxprs', 2, ['in[2]', 'in[3]', 'in[6]', 'out[0]'])
+    """
+    lengths = eqn.params["const_lengths"]
+    first = lengths.matvec + lengths.vecmat
+    n_rhs = len(eqn.invars) - sum(lengths)
+    outer = [*range(first, first + lengths.solve), *range(sum(lengths), sum(lengths) + n_rhs)]
+    links = [Link(Port(Side.IN, o), Port(Side.IN, i)) for i, o in enumerate(outer)]
+    links += [Link(Port(Side.OUT, i), Port(Side.OUT, i)) for i in range(len(eqn.outvars))]
+    solve = eqn.params["jaxprs"].solve
+    index = eqn.params["jaxprs"]._fields.index("solve")
+    return [Region(solve.jaxpr, tuple(solve.consts), tuple(links), param="jaxprs", index=index)]
 
 
 @register_boundary(primitive("shard_map"))

@@ -61,10 +61,9 @@ OPAQUE = """
 KERNEL_PLUMBING = ["relayout", "with_memory_space_constraint"]
 # Not covered yet (they do occur in user programs; the unknown-primitive warning fires):
 # cuDNN's fp8 attention and scaled matmul (GPU-only, with amax and scale operands) need
-# rules validated on a GPU; a custom linear solve's jaxprs sit in a named tuple that
-# lowering cannot yet rewrite in place.
+# rules validated on a GPU.
 NOT_YET = """
-    custom_linear_solve dot_product_attention_fp8_bwd dot_product_attention_fp8_bwd_wrapper
+    dot_product_attention_fp8_bwd dot_product_attention_fp8_bwd_wrapper
     dot_product_attention_fp8_fwd dot_product_attention_fp8_fwd_wrapper scaled_matmul
     scaled_matmul_wrapper
 """.split()
