@@ -68,6 +68,7 @@ __all__ = [
     "jit_equation_params",
     "jit_p",
     "lax_linalg",
+    "low_level",
     "layout_constraint_p",
     "linear_call_p",
     "mlir",
@@ -238,6 +239,29 @@ def context_on_mesh(ctx: Any, mesh: Any) -> Any:
 def consts_as_inputs(jaxpr: Any) -> Any:
     """``jaxpr`` with its constants turned into leading inputs."""
     return _partial_eval.convert_constvars_jaxpr(jaxpr)
+
+
+def low_level(closed: Any) -> Any:
+    """``closed`` with JAX's high-level primitives expanded into the primitives they lower
+    to, as `jax.jit` does before lowering: since 0.12 ``jnp.searchsorted`` (and other
+    functions JAX writes as "hijax" primitives) traces to a ``call_hi_primitive``
+    equation whose body is not a parameter, so nothing could be planned inside it.
+    Unchanged where the release has no such primitives or the program uses none.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> f = lambda e, v: jnp.searchsorted(e, v)
+        >>> closed = low_level(jax.make_jaxpr(f)(jnp.arange(4.0), jnp.ones(3)))
+        >>> getattr(closed.jaxpr, "is_high", False)
+        False
+    """
+    if not getattr(closed.jaxpr, "is_high", False) or not hasattr(_partial_eval, "lower_jaxpr2"):
+        return closed
+    n = len(closed.jaxpr.constvars)  # the expansion takes constants as leading inputs
+    lowered = _partial_eval.lower_jaxpr2(consts_as_inputs(closed.jaxpr) if n else closed.jaxpr)
+    if n:
+        lowered = lowered.replace(constvars=lowered.invars[:n], invars=lowered.invars[n:])
+    return _public_core.ClosedJaxpr(lowered, list(closed.consts))
 
 
 def without_dead_code(closed: Any) -> Any:

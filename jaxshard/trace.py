@@ -31,7 +31,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from jaxshard.errors import ShardingError
-from jaxshard.jax_compat import mesh_context
+from jaxshard.jax_compat import low_level, mesh_context
 from jaxshard.rewrite import rewrite_closed
 
 
@@ -159,7 +159,7 @@ def trace(
 
     _name_for_jax(flat_fn, fn, names)
     jaxpr, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
-    jaxpr = rewrite_closed(jaxpr)  # equivalent equations that stay sharded
+    jaxpr = rewrite_closed(low_level(jaxpr))  # equivalent equations that stay sharded
     out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     out_names = tuple(path_name("out", path) for path, _ in out_leaves)
     return Traced(jaxpr, tuple(names), out_names, in_tree, out_tree, avals)

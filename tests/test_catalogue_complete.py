@@ -34,7 +34,9 @@ REFS = """
     accum_grad_in_ref addupdate broadcast_to create_linear empty_ref free_ref freeze get
     new_ref pin run_state swap unpin
 """.split()
-# Experimental high-level types (hijax boxes and logs), lowered away before `jit`.
+# Experimental high-level types (hijax boxes and logs) and high-level primitives (JAX
+# 0.12's `jnp.searchsorted`): tracing expands them into the primitives they lower to
+# (`jaxshard.jax_compat.low_level`), as `jit` does before lowering.
 HIJAX = """
     box_get box_set call_hi_primitive call_hi_primitive_linearized log_extend log_read
     new_box new_log stage
