@@ -1,4 +1,6 @@
-"""Reductions over some dims: `reduce_sum/max/min/prod/and/or/xor`, `argmax/argmin`.
+"""Reductions over some dims: `reduce_sum/max/min/prod/and/or/xor`, `argmax/argmin`, and
+`psum/pmax/pmin` over positional axes (what `vmap` makes of a collective over its named
+axis: each operand summed over those dims).
 
 Kept dims pass through. A reduced dim is a reduction factor when partial results
 combine by the same reduction across devices and XLA can emit that all-reduce (sum, max,
@@ -70,3 +72,39 @@ def logical_reduce_rule(eqn: JaxprEqn) -> Rule:
     """
     boolean = eqn.invars[0].aval.dtype == bool
     return reduce_rule(eqn, FactorKind.REDUCTION if boolean else FactorKind.NEED_REPLICATION)
+
+
+_COLLECTIVE_COMBINE = {p.psum_p: "sum", p.pmax_p: "max", p.pmin_p: "min"}
+
+
+@register_rule(*_COLLECTIVE_COMBINE)
+def positional_collective_rule(eqn: JaxprEqn) -> Rule | None:
+    """A ``psum``/``pmax``/``pmin`` over positional axes only (``vmap`` with an
+    ``axis_name`` turns ``lax.psum(x, name)`` into one over the mapped dim): each operand
+    reduced over those dims into its own result, as `reduce_rule`. Over a named mesh axis
+    (inside a ``shard_map`` body, which is not planned) there is nothing to read: None.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> f = jax.vmap(lambda r: jax.lax.psum(r, "i"), axis_name="i")
+        >>> eqn = jax.make_jaxpr(f)(jnp.ones((4, 8))).eqns[0]
+        >>> print(positional_collective_rule(eqn))
+        ([a, b])->([b]) reduction={a} {a=4, b=8}
+    """
+    axes = eqn.params["axes"]
+    if eqn.params.get("axis_index_groups") is not None or not all(isinstance(a, int) for a in axes):
+        return None
+    combine = _COLLECTIVE_COMBINE[eqn.primitive]
+    shapes = [v.aval.shape for v in eqn.invars]
+    b = RuleBuilder(
+        len(shapes), len(shapes), ([len(s) for s in shapes], [len(s) - len(axes) for s in shapes])
+    )
+    for t, shape in enumerate(shapes):
+        out = 0
+        for d, size in enumerate(shape):
+            if d in axes:
+                b.add_factor({t: d}, {}, size, FactorKind.REDUCTION, combine=combine)
+            else:
+                b.add_factor({t: d}, {t: out}, size)
+                out += 1
+    return b.build()

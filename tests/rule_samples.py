@@ -274,6 +274,10 @@ SAMPLES += [
     ),
     ("argmax", lambda x: jnp.argmax(x, 1), (DISTINCT,)),
     ("argmin", lambda x: jnp.argmin(x, 0), (DISTINCT,)),
+    # vmap turns a collective over its named axis into one over the mapped dim
+    ("psum-vmapped", jax.vmap(lambda r: lax.psum((r, r * 2), "i"), axis_name="i"), (X,)),
+    ("pmax-vmapped", jax.vmap(lambda r: lax.pmax(r, "i"), axis_name="i"), (X,)),
+    ("pmin-vmapped", jax.vmap(lambda r: lax.pmin(r, "i"), axis_name="i"), (X,)),
 ]
 
 # --- shapes ----------------------------------------------------------------------------

@@ -14,12 +14,13 @@ from jaxshard.jax_compat import registered_primitives
 from jaxshard.rule import covered_primitives
 
 # Collectives and manual-axis casts: valid only inside `shard_map`, whose body jaxshard
-# leaves to the user (a boundary with fixed in/out specs).
+# leaves to the user (a boundary with fixed in/out specs). psum, pmax and pmin have a rule
+# for the form `vmap` makes of them outside it: over positional axes.
 SHARD_MAP_ONLY = """
     all_gather all_gather_done all_gather_invariant all_gather_reduced
     all_gather_reduced_start all_gather_start all_to_all all_to_all_done all_to_all_start
-    axis_index pbroadcast pbroadcast_done pbroadcast_start pmax pmin ppermute ppermute_done
-    ppermute_start precv preduced psend psum psum_done psum_invariant psum_invariant_start
+    axis_index pbroadcast pbroadcast_done pbroadcast_start ppermute ppermute_done
+    ppermute_start precv preduced psend psum_done psum_invariant psum_invariant_start
     psum_start pvary ragged_all_to_all reduce_scatter reduce_scatter_done
     reduce_scatter_start reduced_vary_cast reduced_vary_cast_p unreduced_pmax unreduced_pmin
     unreduced_psum unreduced_psum_start unreduced_reduce_scatter

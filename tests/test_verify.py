@@ -710,6 +710,11 @@ _LIBRARY_STEPS = {
     ),
     # a cond's branch index is read by the cond alone: its sum is all-reduced all the same
     "cond": (lambda x: jax.lax.cond(x.sum() > 0, lambda y: y * 2, lambda y: y - 1, x), P("data")),
+    # a collective over vmap's named axis is a reduction over the mapped dim
+    "vmapped_pmean": (
+        lambda x: jax.vmap(lambda r: r - jax.lax.pmean(r, "i"), axis_name="i")(x),
+        P("data", "model"),
+    ),
     # JAX 0.12 writes searchsorted as a high-level primitive: planned in its expansion
     "searchsorted": (lambda x: jnp.searchsorted(jnp.linspace(-2.0, 2.0, 9), x), P("data")),
     # a while loop's predicate is read by the loop alone: its max over the split carry
