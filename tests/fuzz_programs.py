@@ -9,7 +9,8 @@ reductions (with and without keepdims), reshapes (merge, split, arbitrary
 refactorization), transposes, slices, pads, reverses, window sums and maxima, 1-D
 convolutions, concatenations, broadcasts, gathers (embedding
 lookups, `take` along any axis, indices computed in the program), scans over a stacked
-leading dim (elementwise and matmul bodies), and `jaxshard.hint` on intermediates. Half
+leading dim (elementwise and matmul bodies), collectives over `vmap`'s named axis, while
+loops whose predicate reduces the carry, and `jaxshard.hint` on intermediates. Half
 the programs also return a new value of their argument, as a train step returns new
 parameters: the arguments are then the step's state, and a hint on them that uses a mesh
 axis the other hints spend on the computation is a storage layout (FSDP).
@@ -367,6 +368,32 @@ class _Builder:
         expr = f"jnp.{op}({v.expr}, axis={axes}, keepdims={keep})"
         return self.emit(expr, shape, v.dtype, exact)
 
+    def collective(self):
+        """A collective over ``vmap``'s named axis: a reduction over the mapped dim."""
+        v = self.pick(lambda u: u.dtype != "bool" and len(u.shape) >= 1)
+        if v is None:
+            return None
+        axis = self.draw(st.integers(0, len(v.shape) - 1))
+        op = self.draw(st.sampled_from(["psum", "pmax", "pmin"]))
+        shape = [s for d, s in enumerate(v.shape) if d != axis]
+        exact = v.exact and (v.dtype != "float32" or op != "psum")
+        expr = (
+            f"jax.vmap(lambda r: jax.lax.{op}(r, 'i'), in_axes={axis}, out_axes=None, "
+            f"axis_name='i')({v.expr})"
+        )
+        return self.emit(expr, shape, v.dtype, exact)
+
+    def loop(self):
+        """A while loop whose predicate reduces the carry (all-reduced per iteration)."""
+        v = self.pick(lambda u: u.dtype == "float32")
+        if v is None:
+            return None
+        expr = (
+            f"jax.lax.while_loop(lambda c: (c[0] < 3) & (jnp.max(jnp.abs(c[1])) > 0.5), "
+            f"lambda c: (c[0] + 1, c[1] * 0.5), (0, {v.expr}))[1]"
+        )
+        return self.emit(expr, v.shape, v.dtype, v.exact)
+
     def reshape(self):
         v = self.pick(lambda u: math.prod(u.shape) > 1)
         if v is None:
@@ -565,6 +592,8 @@ OPS = (
     "broadcast",
     "hint",
     "window",
+    "collective",
+    "loop",
 )
 
 

@@ -5,7 +5,8 @@ Programs, meshes and hints come from `fuzz_programs.cases`: elementwise ops with
 broadcasting (size-1 dims, rank-0 arguments, Python scalars), comparisons and selects,
 dot_general with random batch/contracting/free dims, reductions, reshapes (merge, split,
 any refactorization), transposes, slices, concatenations, broadcasts, gathers, scans
-over a stacked leading dim, in-function hints; float32, int32 and bool values; meshes
+over a stacked leading dim, collectives over `vmap`'s named axis, while loops whose
+predicate reduces the carry, in-function hints; float32, int32 and bool values; meshes
 (8,), (2,4), (4,2), (2,2,2), (1,8), (2,2) on 4 of the 8 devices and an Explicit (2,4);
 valid partial hints (axes, None, P.UNCONSTRAINED) on arguments and results. A failing
 example prints as a runnable reproducer.
@@ -119,6 +120,20 @@ PINNED = {
         ("v4",),
         {"p/a3": P("data"), "out/0": P()},
         n_ops=6,
+        state=True,
+    ),  # fmt: skip
+    "storage-pin-not-carried-to-a-slice-it-does-not-divide": Case(
+        "data2_model4",
+        (Arg("a1", (4, 4), "float32"), Arg("a2", (4,), "int32", high=4)),
+        (
+            "v0 = p['a1'] + p['a1']",
+            "v1 = jnp.take(v0, p['a2'], axis=0)",
+            "v2 = jax.lax.slice_in_dim(p['a1'], 0, 1, axis=0)",
+            "v3 = v1.reshape((16,))",
+        ),
+        ("v3",),
+        {"p/a1": P("data"), "out/0": P("data")},
+        n_ops=4,
         state=True,
     ),  # fmt: skip
     "add-rows-and-columns-on-x": _pinned(

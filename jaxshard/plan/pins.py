@@ -182,6 +182,8 @@ def store_moved_stacks(graph: Graph, prop: Propagator, storage: Mapping[int, Pin
                 if moved is None:
                     continue
                 r = app.results[0]
+                if any(graph.shapes[r][i] != graph.shapes[v][d] for i, d in enumerate(moved)):
+                    continue  # a slice of the leaf, not the leaf moved: its layout may not fit
                 want = tuple(layout[d] for d in moved)
                 if r in prop.hinted or not slices_only(r) or not _refines(want, dims[r]):
                     continue
