@@ -423,6 +423,19 @@ def test_pipelined_stack_matches_unsharded(case, pipe_mesh):
 
 @settings(BASE, max_examples=8 * SCALE)
 @given(case=cases(max_ops=5), fraction=st.sampled_from([0.5, 0.8, 1.0, 1.5]))
+# a memory row whose buffer depends on two decisions jointly, found after the model was
+# built (a slice's reshape split over two classes): its joint columns are added then
+@example(
+    case=Case(
+        "x8",
+        (Arg("a0", (8, 4, 4), "float32"),),
+        ("v0 = jax.lax.slice_in_dim(p['a0'], 0, 2, axis=0)", "v1 = v0.reshape((2, 2, 2, 4))"),
+        ("v1",),
+        {"out/0": P()},
+        n_ops=2,
+    ),
+    fraction=0.5,
+)
 def test_calibrated_search_fits_its_budget_once_compiled(case, fraction):
     """With ``calibrate_memory`` the searched plan's compiled program fits the budget (a
     fraction of the hints-only plan's compiled memory) and runs like the unsharded

@@ -169,9 +169,37 @@ class Model:
         """The model's column per joint choice of ``key`` (-1: not allowed)."""
         cols = self.col_of.get(key)
         if cols is None:
-            if len(key) != 1:
+            if len(key) == 1:
+                cols = self.col_of[key] = np.array(self.x[key[0]])
+            elif key in self.problem.terms:
+                cols = self._add_joint(key)
+            else:
                 raise JaxshardBug(f"search: no joint variables for decisions {key}")
-            cols = self.col_of[key] = np.array(self.x[key[0]])
+        return cols
+
+    def _add_joint(self, key: tuple[int, ...]) -> np.ndarray:
+        """Columns for a joint term made after the model was passed to HiGHS (a memory
+        row's buffer whose layout depends on several decisions at once), tied to the
+        one-hots as in the constructor."""
+        hs, h = self.highspy, self.h
+        term = self.problem.terms[key]
+        weight = term.time + MEMORY_TIEBREAK * term.memory + term.bias
+        combos = list(itertools.product(*(range(s) for s in term.sizes)))
+        cols = np.full(len(combos), -1)
+        none = np.array([], dtype=np.int32)
+        for j in range(len(combos)):
+            if term.allowed[j]:
+                cols[j] = h.getNumCol()
+                h.addCol(float(weight[j]), 0.0, 1.0, 0, none, np.array([]))
+                h.changeColIntegrality(int(cols[j]), hs.HighsVarType.kInteger)
+        for pos, d in enumerate(key):
+            for cand, xc in enumerate(self.x[d]):
+                row = {int(cols[j]): 1.0 for j, combo in enumerate(combos)
+                       if combo[pos] == cand and cols[j] >= 0}  # fmt: skip
+                row[xc] = row.get(xc, 0.0) - 1.0
+                idx = np.array(list(row), dtype=np.int32)
+                h.addRow(0.0, 0.0, len(idx), idx, np.array(list(row.values())))
+        self.col_of[key] = cols
         return cols
 
     def memory_expression(self, const, rows, static) -> tuple[dict[int, float], float]:
