@@ -1,6 +1,6 @@
 """Reductions over some dims: `reduce_sum/max/min/prod/and/or/xor`, `argmax/argmin`, and
 `psum/pmax/pmin` over positional axes (what `vmap` makes of a collective over its named
-axis: each operand summed over those dims).
+axis: each operand reduced over those dims).
 
 Kept dims pass through. A reduced dim is a reduction factor when partial results
 combine by the same reduction across devices and XLA can emit that all-reduce (sum, max,
@@ -41,14 +41,20 @@ def reduce_rule(eqn: JaxprEqn, kind: FactorKind = FactorKind.REDUCTION) -> Rule:
     shape = eqn.invars[0].aval.shape
     axes = set(eqn.params["axes"])
     b = RuleBuilder(1, 1, ([len(shape)], [len(shape) - len(axes)]))
+    _reduced(b, 0, shape, axes, kind, _COMBINE.get(eqn.primitive, "sum"))
+    return b.build()
+
+
+def _reduced(b: RuleBuilder, t: int, shape, axes, kind: FactorKind, combine: str) -> None:
+    """Operand ``t``'s factors into result ``t``: ``axes`` reduced (``kind``, combined by
+    ``combine``), the other dims kept in order."""
     out = 0
     for d, size in enumerate(shape):
         if d in axes:
-            b.add_factor({0: d}, {}, size, kind, combine=_COMBINE.get(eqn.primitive, "sum"))
+            b.add_factor({t: d}, {}, size, kind, combine=combine)
         else:
-            b.add_factor({0: d}, {0: out}, size)
+            b.add_factor({t: d}, {t: out}, size)
             out += 1
-    return b.build()
 
 
 register_rule(*_COMBINABLE)(reduce_rule)
@@ -100,11 +106,5 @@ def positional_collective_rule(eqn: JaxprEqn) -> Rule | None:
         len(shapes), len(shapes), ([len(s) for s in shapes], [len(s) - len(axes) for s in shapes])
     )
     for t, shape in enumerate(shapes):
-        out = 0
-        for d, size in enumerate(shape):
-            if d in axes:
-                b.add_factor({t: d}, {}, size, FactorKind.REDUCTION, combine=combine)
-            else:
-                b.add_factor({t: d}, {t: out}, size)
-                out += 1
+        _reduced(b, t, shape, axes, FactorKind.REDUCTION, combine)
     return b.build()

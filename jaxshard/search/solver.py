@@ -121,12 +121,7 @@ class Model:
                     upper.append(1.0)
                     n += 1
             self.col_of[key] = cols
-            for pos, d in enumerate(key):
-                for cand, xc in enumerate(self.x[d]):
-                    row = {int(cols[j]): 1.0 for j, combo in enumerate(combos)
-                           if combo[pos] == cand and cols[j] >= 0}  # fmt: skip
-                    row[xc] = row.get(xc, 0.0) - 1.0
-                    rows.append((row, 0.0, 0.0))
+            rows.extend((row, 0.0, 0.0) for row in self._links(key, cols, combos))
         self.n = n
         h = _quiet_highs()
         h.setOptionValue("mip_rel_gap", 1e-6)
@@ -192,15 +187,23 @@ class Model:
                 cols[j] = h.getNumCol()
                 h.addCol(float(weight[j]), 0.0, 1.0, 0, none, np.array([]))
                 h.changeColIntegrality(int(cols[j]), hs.HighsVarType.kInteger)
+        for row in self._links(key, cols, combos):
+            idx = np.array(list(row), dtype=np.int32)
+            h.addRow(0.0, 0.0, len(idx), idx, np.array(list(row.values())))
+        self.col_of[key] = cols
+        return cols
+
+    def _links(self, key, cols, combos) -> list[dict[int, float]]:
+        """The rows (each equal to 0) tying a joint term's columns to its decisions'
+        one-hots: per decision and candidate, the joint columns choosing it sum to it."""
+        links = []
         for pos, d in enumerate(key):
             for cand, xc in enumerate(self.x[d]):
                 row = {int(cols[j]): 1.0 for j, combo in enumerate(combos)
                        if combo[pos] == cand and cols[j] >= 0}  # fmt: skip
                 row[xc] = row.get(xc, 0.0) - 1.0
-                idx = np.array(list(row), dtype=np.int32)
-                h.addRow(0.0, 0.0, len(idx), idx, np.array(list(row.values())))
-        self.col_of[key] = cols
-        return cols
+                links.append(row)
+        return links
 
     def memory_expression(self, const, rows, static) -> tuple[dict[int, float], float]:
         """Per-device memory as ``(coefficients, constant)`` over the model's columns."""
