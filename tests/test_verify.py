@@ -727,6 +727,14 @@ _LIBRARY_STEPS = {
         )[1],
         P("data", "model"),
     ),
+    # an edge pad concatenates slices of the padded array with the array, which is
+    # gathered for the slices: the concatenation reads that gathered copy (left free,
+    # XLA joined the pieces by all-to-alls and gathered the result instead)
+    "pad_edge": (lambda x: jnp.pad(x, ((0, 0), (2, 2)), mode="edge"), P(None, "model")),
+    "pad_edge_split_twice": (
+        lambda x: jnp.pad(x, ((0, 0), (2, 2)), mode="edge")[:, 2:-2] * 2,
+        P("data", "model"),
+    ),
 }
 
 

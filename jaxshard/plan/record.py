@@ -261,7 +261,8 @@ class Plan(PlanMemory):
         to = without_unit_axes(dst, self.axis_sizes)
         scopes = self._moved.setdefault((vid, to), set())
         if scope in scopes:
-            if contracts(self.graph.apps[a]) or self._cuts_unevenly(a, vid, src):
+            app = self.graph.apps[a]
+            if contracts(app) or self._cuts_unevenly(a, vid, src) or self._joins_along(a, src, to):
                 self.repeats.append((a, vid, dst))
                 return
             self.moved_again.append((a, vid, dst))
@@ -274,6 +275,19 @@ class Plan(PlanMemory):
                 start = step  # moved there before in this computation: XLA merges it
             done.add(scope)
         self._add_reshard(a, vid, start, dst, frozenset())
+
+    def _joins_along(self, a: int, src: tuple[DimSharding, ...], to: tuple[DimSharding, ...]) -> bool:
+        """Whether application ``a`` concatenates along a dim the move from ``src`` to
+        ``to`` changes: left unconstrained, XLA's partitioner joins the pieces its own way
+        (all-to-alls of the pieces, then the joined result gathered: ``jnp.pad`` in "edge"
+        mode, whose edges are slices of the moved operand), not by moving the operand
+        again, so such a use reads the moved copy too."""
+        eqn = self.graph.apps[a].eqn
+        if eqn is None or eqn.primitive.name != "concatenate":
+            return False
+        d = eqn.params["dimension"]
+        moved = without_unit_axes(src, self.axis_sizes)
+        return d < len(to) and moved[d] != to[d]
 
     def _cuts_unevenly(self, a: int, vid: int, src: tuple[DimSharding, ...]) -> bool:
         """Whether application ``a`` cuts operand ``vid`` (laid out ``src``) into a
