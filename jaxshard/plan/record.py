@@ -276,7 +276,9 @@ class Plan(PlanMemory):
             done.add(scope)
         self._add_reshard(a, vid, start, dst, frozenset())
 
-    def _joins_along(self, a: int, src: tuple[DimSharding, ...], to: tuple[DimSharding, ...]) -> bool:
+    def _joins_along(
+        self, a: int, src: tuple[DimSharding, ...], to: tuple[DimSharding, ...]
+    ) -> bool:
         """Whether application ``a`` concatenates along a dim the move from ``src`` to
         ``to`` changes: left unconstrained, XLA's partitioner joins the pieces its own way
         (all-to-alls of the pieces, then the joined result gathered: ``jnp.pad`` in "edge"
