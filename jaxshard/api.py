@@ -322,10 +322,10 @@ class AutoShard:
         """Exact-path hints from the Flax metadata of boxed arguments, validated here so
         an error names the metadata."""
         tree = (dyn_args, dyn_kwargs)
-        specs = leaf_specs(tree, self.mesh, self.logical_axis_rules)
+        names = arg_names(fn, dyn_args, dyn_kwargs)[0]
+        specs = leaf_specs(tree, self.mesh, self.logical_axis_rules, names)
         if not any(specs):
             return {}
-        names = arg_names(fn, dyn_args, dyn_kwargs)[0]
         sizes = mesh_axis_sizes(self.mesh)
         hints = {}
         for name, leaf, spec in zip(names, jax.tree_util.tree_leaves(tree), specs):

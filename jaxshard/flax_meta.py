@@ -125,8 +125,9 @@ def logical_to_spec(
             raise ShardingError(
                 f"{where}: dim {d} names {name!r}, which is not a mesh axis "
                 f"({sorted(axes)}), and no logical axis rules were given. Pass "
-                f"auto_shard(mesh, logical_axis_rules=[({name!r}, 'model'), ...]) or name a "
-                "mesh axis."
+                f"auto_shard(mesh, logical_axis_rules=[({name!r}, 'model'), ...]), call the step "
+                "inside `with nn.logical_axis_rules(...)` (rules set inside the step come "
+                "after its arguments are read), or name a mesh axis."
             )
         else:
             raise ShardingError(
@@ -242,10 +243,12 @@ def box_names(box: Any) -> tuple[tuple | None, tuple, bool]:
 
 
 def leaf_specs(
-    tree: Any, mesh: Mesh, rules: Rules | None = ()
+    tree: Any, mesh: Mesh, rules: Rules | None = (), names: Sequence[str] | None = None
 ) -> list[tuple[PartitionSpec, str] | None]:
     """Per leaf of ``tree`` (in `jax.tree_util.tree_leaves` order), the partial spec its
-    Flax metadata gives and a description of where it came from, or None.
+    Flax metadata gives and a description of where it came from, or None. ``names``
+    (per leaf, in that order) name the leaves in errors, as hints spell them; without
+    them an error names the leaf's key path in ``tree``.
 
     Example:
         >>> import jax, flax.linen as nn, jax.numpy as jnp
@@ -258,16 +261,17 @@ def leaf_specs(
     specs: list[tuple[PartitionSpec, str] | None] = []
     for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
         count = len(jax.tree_util.tree_leaves(node)) if is_box(node) else 1
-        names, own_rules, logical = box_names(node) if is_box(node) else (None, (), False)
-        if names is None or count != 1:
+        boxed, own_rules, logical = box_names(node) if is_box(node) else (None, (), False)
+        if boxed is None or count != 1:
             specs.extend([None] * count)
             continue
-        where = f"{jax.tree_util.keystr(path)} (Flax metadata {names!r}"
+        leaf = names[len(specs)] if names is not None else jax.tree_util.keystr(path)
+        where = f"{leaf} (Flax metadata {boxed!r}"
         where += ")" if logical else "; nn.Partitioned names are mesh axes, never logical)"
         spec = logical_to_spec(
-            names, mesh, (own_rules + global_rules) if logical else (), where=where
+            boxed, mesh, (own_rules + global_rules) if logical else (), where=where
         )
-        specs.append((spec, f"Flax metadata {names!r}"))
+        specs.append((spec, f"Flax metadata {boxed!r}"))
     return specs
 
 

@@ -155,6 +155,18 @@ def test_nnx_metadata_pins_params_and_their_optimizer_state(mesh, nnx_split):
     assert "Flax metadata on " in plan.explain()
 
 
+def test_metadata_naming_an_unruled_logical_axis_names_the_argument_as_hints_do(mesh, nnx_split):
+    """Without rules, a logical name in the metadata is an error naming the leaf by the
+    path a hint would use (not its position in the arguments) and the ways to give rules."""
+    graphdef, state = nnx_split
+    step = jaxshard.auto_shard(mesh, {"x": P("data")}, static_argnums=2)(nnx_step)
+    with pytest.raises(jaxshard.ShardingError) as caught:
+        step.plan(state, jnp.ones((8, 16)), graphdef)
+    message = str(caught.value)
+    assert message.startswith("state/0/up/kernel/value (Flax metadata"), message
+    assert "logical_axis_rules" in message and "nn.logical_axis_rules" in message
+
+
 @pytest.fixture(scope="module")
 def linen_params():
     class MLP(nn.Module):
