@@ -455,6 +455,9 @@ def _build(
             line = source_line(eqn, enclosing)
             _pin_boundary(g, eqn, boundary_fn(eqn), operands, results, line, axis_sizes)
             g.boundaries.append(Boundary(eqn, enclosing, tuple(operands), tuple(results), line))
+            # no application reads a boundary's operands, yet it reads them, whole: a
+            # value only `jax.debug.print` reads is computed, its partial sums summed
+            g.read_outside.update(operands)
             continue
         rule = None
         if rule_fn is not None:

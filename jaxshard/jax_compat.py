@@ -36,6 +36,7 @@ from jax._src import dispatch as _dispatch
 from jax._src import pjit as _pjit
 from jax._src import shard_map as _shard_map
 from jax._src import source_info_util
+from jax._src import xla_bridge as _xla_bridge
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 from jax._src.custom_partitioning_sharding_rule import str_to_sdy_sharding_rule
 from jax._src.interpreters import batching, mlir
@@ -76,7 +77,9 @@ __all__ = [
     "new_var",
     "philox2x32",
     "philox4x32",
+    "platform_branch",
     "platform_index_p",
+    "lowering_platform",
     "optional_primitive",
     "optional_primitives",
     "prng",
@@ -315,6 +318,49 @@ def jit_equation_params(jaxpr: Any, n_in: int, n_out: int, ctx_mesh: Any, name: 
         keep_unused=False,
     )
     return params
+
+
+def lowering_platform(mesh: Any) -> str:
+    """The platform a program for ``mesh`` is lowered for, as JAX names it in
+    platform-dependent code (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``): its devices'
+    platform, or for an abstract mesh the platform it names, else the default backend's.
+
+    Example:
+        >>> lowering_platform(jax.make_mesh((1,), ("data",)))
+        'cpu'
+    """
+    if isinstance(mesh, jax.sharding.AbstractMesh):  # it has no devices to ask
+        device = getattr(mesh, "abstract_device", None)
+        platform = getattr(device, "platform", None) or jax.default_backend()
+    else:
+        platform = mesh.devices.flat[0].platform
+    return _xla_bridge.canonicalize_platform(platform)
+
+
+def platform_branch(eqn: Any, platform: str) -> Any:
+    """``eqn`` as JAX lowers it for ``platform`` where it is a platform-dependent `cond`
+    (``jax.lax.platform_dependent``, ``jnp.diagonal``): a call of the one branch lowering
+    keeps (the first listing ``platform``, else the default), on the cond's operands
+    after its index; None for any other equation. Planned as a cond, the branches for
+    other platforms (a Pallas kernel's masked sum) were priced although never run.
+
+    Example:
+        >>> f = lambda x: jax.lax.platform_dependent(x, cpu=jax.numpy.sin, default=jax.numpy.cos)
+        >>> eqn = jax.make_jaxpr(f)(1.0).eqns[-1]
+        >>> [e.primitive.name for e in platform_branch(eqn, "cpu").params["call_jaxpr"].eqns]
+        ['sin']
+    """
+    chosen = eqn.params.get("branches_platforms") if eqn.primitive.name == "cond" else None
+    if chosen is None:
+        return None
+    for branch, platforms in zip(eqn.params["branches"], chosen):
+        if platforms is None or platform in platforms:
+            return eqn.replace(
+                primitive=_public_core.primitives.closed_call_p,
+                invars=eqn.invars[1:],
+                params={"call_jaxpr": branch},
+            )
+    return None
 
 
 # --- source lines and debug info ---------------------------------------------------------

@@ -599,6 +599,11 @@ class Lowered:
             if pins:
                 for var in eqn.outvars:
                     dims = pins.get(var)
+                    if isinstance(dims, Via) and index in calls:
+                        # a call's result is its body's, moved there through the working
+                        # layout: taken back through it here, it was gathered whole and
+                        # sliced again after the call (an fft inside jnp.fft's jit)
+                        dims = dims.dims
                     if dims is not None and not is_drop_var(var):
                         subst[var] = self._constrain(var, dims, eqns, eqn)
         outvars = [v if isinstance(v, Literal) else subst.get(v, v) for v in jaxpr.outvars]

@@ -20,6 +20,7 @@ from typing import Any
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal
 
 from jaxshard.errors import JaxshardBug
+from jaxshard.jax_compat import platform_branch
 
 Fold = Callable[[JaxprEqn, JaxprEqn], "JaxprEqn | None"]
 _FOLDS: dict[Any, Fold] = {}
@@ -51,9 +52,10 @@ def register_fold(primitive: Any) -> Callable[[Fold], Fold]:
     return add
 
 
-def rewrite_closed(closed: ClosedJaxpr) -> ClosedJaxpr:
+def rewrite_closed(closed: ClosedJaxpr, platform: str | None = None) -> ClosedJaxpr:
     """``closed`` with every registered fold applied (`register_fold`), nested jaxprs
-    included.
+    included; with ``platform``, each platform-dependent `cond` replaced by a call of
+    the branch JAX's lowering keeps for it (`jax_compat.platform_branch`).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -65,11 +67,11 @@ def rewrite_closed(closed: ClosedJaxpr) -> ClosedJaxpr:
         >>> [(e.primitive.name, e.params["base_dilation"]) for e in rewrite_closed(closed).eqns]
         [('reduce_window_sum', (2,))]
     """
-    return _rewrite_value(closed, {})
+    return _rewrite_value(closed, {}, platform)
 
 
-def _rewrite(jaxpr: Jaxpr, memo: dict) -> Jaxpr:
-    eqns = [_rewrite_params(e, memo) for e in jaxpr.eqns]
+def _rewrite(jaxpr: Jaxpr, memo: dict, platform: str | None) -> Jaxpr:
+    eqns = [_rewrite_params(_for_platform(e, platform), memo, platform) for e in jaxpr.eqns]
     out = eqns
     if any(e.primitive in _FOLDS for e in eqns):  # most jaxprs have nothing to fold
         readers = Counter(v for e in eqns for v in e.invars if not isinstance(v, Literal))
@@ -91,16 +93,22 @@ def _rewrite(jaxpr: Jaxpr, memo: dict) -> Jaxpr:
     return jaxpr.replace(eqns=out) if changed else jaxpr
 
 
-def _rewrite_params(eqn: JaxprEqn, memo: dict) -> JaxprEqn:
+def _for_platform(eqn: JaxprEqn, platform: str | None) -> JaxprEqn:
+    if platform is None or eqn.primitive.name != "cond":
+        return eqn
+    return platform_branch(eqn, platform) or eqn
+
+
+def _rewrite_params(eqn: JaxprEqn, memo: dict, platform: str | None) -> JaxprEqn:
     params, changed = {}, False
     for name, value in eqn.params.items():
-        new = _rewrite_value(value, memo)
+        new = _rewrite_value(value, memo, platform)
         changed |= new is not value
         params[name] = new
     return eqn.replace(params=params) if changed else eqn
 
 
-def _rewrite_value(value: Any, memo: dict) -> Any:
+def _rewrite_value(value: Any, memo: dict, platform: str | None) -> Any:
     """``value`` rewritten where it is a jaxpr or holds some; a jaxpr several equations
     share (a function called twice) stays one object, rewritten once."""
     if isinstance(value, ClosedJaxpr | Jaxpr):
@@ -108,14 +116,14 @@ def _rewrite_value(value: Any, memo: dict) -> Any:
         if done is None:
             # JAX 0.12 merged ClosedJaxpr into Jaxpr: a jaxpr is its own ``.jaxpr``
             if isinstance(value, ClosedJaxpr) and value.jaxpr is not value:
-                inner = _rewrite_value(value.jaxpr, memo)
+                inner = _rewrite_value(value.jaxpr, memo, platform)
                 done = value if inner is value.jaxpr else value.replace(jaxpr=inner)
             else:
-                done = _rewrite(value, memo)
+                done = _rewrite(value, memo, platform)
             memo[id(value)] = (value, done)  # the original kept alive: its id stays its own
             return done
         return done[1]
     if isinstance(value, tuple) and any(isinstance(v, ClosedJaxpr | Jaxpr) for v in value):
-        new = tuple(_rewrite_value(v, memo) for v in value)
+        new = tuple(_rewrite_value(v, memo, platform) for v in value)
         return value if all(a is b for a, b in zip(new, value)) else new
     return value

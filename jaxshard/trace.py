@@ -31,7 +31,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from jaxshard.errors import ShardingError
-from jaxshard.jax_compat import low_level, mesh_context
+from jaxshard.jax_compat import low_level, lowering_platform, mesh_context
 from jaxshard.rewrite import rewrite_closed
 
 
@@ -135,10 +135,16 @@ def arg_names(fn: Callable, args: tuple, kwargs: dict) -> tuple[list[str], Any]:
 
 
 def trace(
-    fn: Callable, args: tuple, kwargs: dict, shardings: Sequence[Any] | None = None
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    shardings: Sequence[Any] | None = None,
+    platform: str | None = None,
 ) -> Traced:
     """Trace ``fn(*args, **kwargs)`` to a jaxpr with named leaves; ``shardings`` (one per
-    leaf, None for none) type the leaves when tracing on Explicit axes.
+    leaf, None for none) type the leaves when tracing on Explicit axes; ``platform``
+    (`jax_compat.lowering_platform`) keeps of platform-dependent code the branch that
+    runs there.
 
     Example:
         >>> import jax.numpy as jnp
@@ -159,7 +165,7 @@ def trace(
 
     _name_for_jax(flat_fn, fn, names)
     jaxpr, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
-    jaxpr = rewrite_closed(low_level(jaxpr))  # equivalent equations that stay sharded
+    jaxpr = rewrite_closed(low_level(jaxpr), platform)  # equivalent equations that stay sharded
     out_leaves, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     out_names = tuple(path_name("out", path) for path, _ in out_leaves)
     return Traced(jaxpr, tuple(names), out_names, in_tree, out_tree, avals)
@@ -238,7 +244,7 @@ def trace_on_mesh(fn: Callable, args: tuple, kwargs: dict, mesh: Mesh) -> Traced
     for on, shardings in attempts:
         try:
             with mesh_context(on):
-                traced = trace(fn, args, kwargs, shardings)
+                traced = trace(fn, args, kwargs, shardings, lowering_platform(mesh))
         except Exception as e:  # noqa: BLE001 (the next attempt decides; all failing re-raises)
             errors.append(e)
             continue

@@ -731,6 +731,26 @@ _LIBRARY_STEPS = {
     # gathered for the slices: the concatenation reads that gathered copy (left free,
     # XLA joined the pieces by all-to-alls and gathered the result instead)
     "pad_edge": (lambda x: jnp.pad(x, ((0, 0), (2, 2)), mode="edge"), P(None, "model")),
+    # platform-dependent code is planned in the branch that runs on the mesh's platform:
+    # the other (a Pallas kernel's masked sum for jnp.diagonal) was priced, never run
+    "diagonal": (lambda x: jnp.diagonal(x @ x.T) * 2, P("data")),
+    # a value only a debug callback reads is computed and its partial sum summed
+    "debug_callback": (
+        lambda x: (jax.debug.callback(lambda m: None, x.mean()), x * 2)[1],
+        P("data"),
+    ),
+    # jnp.fft's jit returns the transform computed whole and sliced: the call's result
+    # arrives sliced (taken back through the whole layout, it was gathered again)
+    "fft_grad": (
+        lambda x: jax.grad(lambda y: jnp.abs(jnp.fft.fft(y @ y.T, axis=-1)).sum())(x),
+        P("data"),
+    ),
+    "platform_dependent": (
+        lambda x: jax.lax.platform_dependent(
+            x, tpu=lambda x: jnp.broadcast_to(x.sum(0), x.shape), default=lambda x: x * 2
+        ),
+        P("data"),
+    ),
     "pad_edge_split_twice": (
         lambda x: jnp.pad(x, ((0, 0), (2, 2)), mode="edge")[:, 2:-2] * 2,
         P("data", "model"),
