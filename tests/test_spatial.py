@@ -190,6 +190,45 @@ def test_rows_and_columns_split_two_ways_exchange_corners_and_sum_kernels_once(m
     assert check.ok, check.surprises
 
 
+def _kernel_grad(x, w):
+    return jax.grad(lambda w: jnp.sum(_nhwc(x, w) ** 2))(w)
+
+
+def _image_and_kernel():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 16, 16, 4)), jnp.float32)
+    return x, jnp.asarray(rng.standard_normal((3, 3, 4, 4)), jnp.float32)
+
+
+def test_xla_alone_multiplies_a_kernel_gradient_over_split_rows_by_an_unused_axis(mesh):
+    # why such a gradient is summed whole when a mesh axis is left unused: jax.jit given
+    # rows split over "data" on the 2x4 mesh ("model" unused) sums the kernel's gradient
+    # over "model" too: 4x the gradient (JAX 0.10 and 0.12 on CPU); when this fails,
+    # XLA has been fixed and `miscompiled_window_sums` can go
+    x, w = _image_and_kernel()
+    rows = jax.sharding.NamedSharding(mesh, P(None, "data"))
+    whole = jax.sharding.NamedSharding(mesh, P())
+    split = jax.jit(_kernel_grad, in_shardings=(rows, whole), out_shardings=whole)(x, w)
+    np.testing.assert_allclose(split, 4 * jax.jit(_kernel_grad)(x, w), rtol=1e-4, atol=1e-4)
+
+
+def test_a_kernel_gradient_over_split_rows_with_an_axis_unused_is_summed_whole(mesh):
+    # the same step planned: the kernel gradient reads its operands gathered along the
+    # rows (the convolution's forward pass and input gradient stay split, with halos),
+    # and the numbers are the unsharded step's; with the batch over "model" as well,
+    # every axis is used and the gradient is summed over the split rows as before
+    x, w = _image_and_kernel()
+    want = jax.jit(_kernel_grad)(x, w)
+    for hint, summed in ((P(None, "data"), False), (P("model", "data"), True)):
+        step = jaxshard.auto_shard(mesh, hints={r"x": hint})(_kernel_grad)
+        plan = step.plan(x, w)
+        partial = [r.partial for r in plan.reshards if plan.graph.shapes[r.vid] == (3, 3, 4, 4)]
+        assert any("data" in p for p in partial) == summed, (hint, partial)
+        check = plan.verify(step.lower(x, w))
+        assert check.ok, check.surprises
+        np.testing.assert_allclose(step(x, w), want, rtol=1e-4, atol=1e-4)
+
+
 def pooled_sq(x):
     return lax.reduce_window(x, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 1, 1, 1), "SAME") ** 2
 

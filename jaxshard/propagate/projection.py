@@ -19,6 +19,37 @@ from jaxshard.propagate.vocabulary import (
     NEED,
     _axis_twice,
 )
+from jaxshard.rule import FactorKind
+
+
+def miscompiled_window_sums(rule, values: dict[int, Axes], axis_sizes) -> list[int]:
+    """The windowed sums of ``rule`` (a convolution's kernel gradient, summing the
+    product over image rows read through a window wider than one) split at an
+    application whose factors (``values``) leave some mesh axis of more than one device
+    unused. XLA's partitioner sums such a product over the unused axes too, so the
+    gradient comes out multiplied by their size (JAX 0.10 to 0.12, with `jax.jit` alone
+    as with jaxshard's plans: rows split over "model" on a 2x4 mesh, batch unsplit, gave
+    twice the gradient). Such a sum is worked whole: its operands are gathered along the
+    window's dim for that equation.
+
+    Example:
+        >>> miscompiled_window_sums(kernel_gradient_rule, {0: ("model",)}, {"data": 2, "model": 4})  # doctest: +SKIP
+        [0]
+    """
+    windowed = [
+        f
+        for f, factor in enumerate(rule.factors)
+        if factor.kind is FactorKind.REDUCTION
+        and factor.window is not None
+        and factor.window.extent > 1
+        and values.get(f)
+    ]
+    if not windowed:
+        return []
+    used = {x for axes in values.values() for x in axes or ()}
+    if all(n == 1 or x in used for x, n in axis_sizes.items()):
+        return []
+    return windowed
 
 
 class Projection:
@@ -158,6 +189,8 @@ class Projection:
         for f, factor in enumerate(rule.factors):
             if factor.kind is NEED:
                 values[f] = ()
+        for f in miscompiled_window_sums(rule, values, self.axis_sizes):
+            values[f] = ()
         return values
 
     def halos(self, a: int) -> list[tuple[int, Collective]]:
