@@ -465,13 +465,14 @@ class _Builder:
 
     def window(self):
         """A windowed op along one dim (split, it exchanges halos): a pad (a shift when
-        cropped, interior padding), a reverse, a window sum or max, a 1-D convolution."""
+        cropped, interior padding), a reverse, a window sum or max, a 1-D convolution or
+        its kernel's gradient (a sum over the dim read through the window)."""
         v = self.pick(lambda u: u.dtype == "float32" and any(s > 1 for s in u.shape))
         if v is None:
             return None
         axis = self.draw(st.sampled_from([d for d, s in enumerate(v.shape) if s > 1]))
         n, shape = v.shape[axis], list(v.shape)
-        kind = self.draw(st.sampled_from(["pad", "rev", "sum", "max", "conv"]))
+        kind = self.draw(st.sampled_from(["pad", "rev", "sum", "max", "conv", "kernel_grad"]))
         if kind == "rev":
             return self.emit(f"jnp.flip({v.expr}, {axis})", shape, v.dtype, v.exact)
         if kind == "pad":
@@ -488,16 +489,22 @@ class _Builder:
         out = (n + low + high - extent) // stride + 1
         if out < 1:
             return None
-        if kind == "conv":  # the dim as a 1-D convolution's width, one channel in and out
+        if kind in ("conv", "kernel_grad"):  # the dim as a 1-D convolution's width
             if len(shape) > 3:
                 return None
             rows = math.prod(shape) // n
             w = self.new_arg((extent, 1, 1), "float32")
             shape[axis] = out
             moved = f"jnp.moveaxis({v.expr}, {axis}, -1).reshape({rows}, {n}, 1)"
+            conv = (
+                f"jax.lax.conv_general_dilated({moved}, {{}}, ({stride},), (({low}, {high}),), "
+                "dimension_numbers=('NWC', 'WIO', 'NWC'))"
+            )
+            if kind == "kernel_grad":  # the kernel's gradient: a windowed sum over the dim
+                grad = f"jax.grad(lambda k: jnp.sum({conv.format('k')} ** 2))({w.expr})"
+                return self.emit(grad, [extent, 1, 1], v.dtype)
             expr = (
-                f"jnp.moveaxis(jax.lax.conv_general_dilated({moved}, {w.expr}, ({stride},), "
-                f"(({low}, {high}),), dimension_numbers=('NWC', 'WIO', 'NWC'))"
+                f"jnp.moveaxis({conv.format(w.expr)}"
                 f".reshape({[*shape[:axis], *shape[axis + 1 :], out]}), -1, {axis})"
             )
             return self.emit(expr, shape, v.dtype)
