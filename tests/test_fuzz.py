@@ -51,7 +51,7 @@ import models
 import numpy as np
 import optax
 import pytest
-from fuzz_programs import Arg, Case, cases, pipe_cases
+from fuzz_programs import Arg, Case, PipeCase, cases, pipe_cases
 from helpers import assert_leaves_match
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -414,7 +414,7 @@ def test_pipelined_stack_matches_unsharded(case, pipe_mesh):
     fn, (p, x, mask) = case.fn(), case.inputs()
     want = jax.jit(fn)(p, x, mask)
     got = jaxshard.auto_shard(pipe_mesh, case.hints, pipeline=case.pipeline())(fn)(p, x, mask)
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    assert_loss_matches(got[0], want[0])
     assert_leaves_match(got[1], want[1])
 
 
@@ -485,8 +485,35 @@ def test_auto_parallel_strategy_runs_like_the_unsharded_program(case):
         assert_same_numbers(g, w, f"out/{i}")
 
 
+def assert_loss_matches(got, want):
+    """The loss to rtol 1e-5, or within float32 rounding of terms of magnitude one where
+    they cancel: a centred activation's summed tanh is near zero (4.3e-5, off by 5e-10
+    in another summation order)."""
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 @settings(BASE, max_examples=6 * SCALE)
 @given(case=pipe_cases())
+@example(
+    case=PipeCase(
+        layers=2,
+        batch=16,
+        seq=4,
+        body=(
+            "h = h - h.mean(-1, keepdims=True)",
+            "h = (h.reshape({shape_merged}) * 0.5).reshape({shape})",
+            "h = (h.reshape({shape_merged}) * 0.5).reshape({shape})",
+        ),
+        remat=False,
+        microbatches=4,
+        hints={},
+        replicate=False,
+        d=8,
+        repeats=1,
+        one_f_one_b=False,
+        head="jnp.sum(jnp.tanh(h) * mask.reshape({mask_shape})) / {batch}",
+    )
+)
 def test_auto_parallel_weighs_pipelines_and_runs_like_the_unsharded_step(case):
     """A scanned layer stack on 8 devices in two nodes of 4 joined by slow links:
     `auto_parallel` weighs a 2-stage pipeline over them next to the plain meshes, and the
@@ -509,5 +536,5 @@ def test_auto_parallel_weighs_pipelines_and_runs_like_the_unsharded_step(case):
     # weighed, or said why not: no microbatch count splits the batch over the data axis
     assert all(c.microbatches or c.status.startswith("n/a: no count of") for c in piped)
     want = jax.jit(fn)(*args)
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    assert_loss_matches(got[0], want[0])
     assert_leaves_match(got[1], want[1])
